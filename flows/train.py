@@ -1,0 +1,183 @@
+"""Prefect flow `train`: each RL iteration is a DAG of stage tasks on hardware-class Dask workers.
+
+    collect (env class) -> score (reward class) -> update (trainer class)
+        -> sync_weights (engine class) -> [checkpoint (trainer class)] [evaluate (env class)]
+
+The flow only orchestrates: it validates the config, starts or connects to the Dask cluster,
+creates the long-lived services (engine replicas and the trainer, as Dask actors pinned to their
+classes), then submits one DAG per iteration with every submission annotated with its class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import dask
+from distributed import Client
+from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect_dask import DaskTaskRunner
+
+import tasks.stages as t
+from infra.dask_cluster import HardwareClassCluster, worker_classes
+from rollart import progress
+from rollart.config import RunConfig, config_from_dict, load_config
+from rollart.metrics import summary_row
+from rollart.services import EngineService, TrainerService
+from rollart.storage.store import RunStore
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _artifact_key(run_id: str, what: str) -> str:
+    key = "".join(c if c.isalnum() else "-" for c in f"{run_id}-{what}".lower())
+    return key.strip("-")[:100]
+
+
+@flow(name="train")
+def train(
+    config: str = "configs/default.yaml",
+    overrides: list[str] | None = None,
+    scheduler_address: str | None = None,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Train a policy. `scheduler_address` uses an existing Dask cluster instead of starting one."""
+    cfg = load_config(config, overrides or [])  # invalid config fails before any cluster starts
+    run_id = run_id or new_run_id(cfg.name)
+    address = scheduler_address or cfg.cluster.address
+    logger = get_run_logger()
+    with contextlib.ExitStack() as stack:
+        if address is None:
+            cluster = stack.enter_context(HardwareClassCluster(
+                workers=cfg.cluster.workers, threads_per_worker=cfg.cluster.threads_per_worker,
+                dashboard=cfg.cluster.dashboard,
+            ))
+            address = cluster.scheduler_address
+            logger.info("Embedded Dask cluster %s, dashboard %s", address, cluster.dashboard_link)
+        runner = DaskTaskRunner(address=address)
+        return iterations.with_options(task_runner=runner)(
+            cfg.model_dump(mode="json"), run_id, address
+        )
+
+
+def _check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
+    have = worker_classes(client)
+    missing = sorted({c for c in cfg.cluster.stages.values() if c not in have})
+    if missing:
+        raise RuntimeError(
+            f"no Dask worker carries resource(s) {missing}; start workers with "
+            f"`dask worker --resources {missing[0]}=1` or fix cluster.stages"
+        )
+    return have
+
+
+@flow(name="iterations")
+def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str, Any]:
+    cfg = config_from_dict(cfg_dict)
+    logger = get_run_logger()
+    root = cfg.storage.root
+    store = RunStore(root, run_id)
+    stages = cfg.cluster.stages
+
+    def on(stage: str):
+        return dask.annotate(resources={stages[stage]: 1})
+
+    placement: dict[str, list[dict[str, Any]]] = {}
+
+    def placed(stage: str, info: dict[str, Any]) -> dict[str, Any]:
+        placement.setdefault(stage, []).append(
+            {k: info.get(k) for k in ("worker", "resources")})
+        return info
+
+    with Client(address) as client:
+        _check_classes(client, cfg)
+        with on("env"):
+            placed("prepare", t.prepare.submit(cfg_dict, root, run_id).result())
+        trainer = client.submit(TrainerService, cfg_dict, root, run_id, actor=True,
+                                resources={stages["trainer"]: 1}).result()
+        engines = [
+            client.submit(EngineService, cfg_dict, root, run_id, r, actor=True,
+                          resources={stages["engine"]: 1}, key=f"engine-{run_id}-{r}").result()
+            for r in range(cfg.engine.replicas)
+        ]
+        placed("trainer_service", trainer.where().result())
+        for e in engines:
+            placed("engine_service", e.where().result())
+        with on("engine"):
+            placed("sync_weights", t.sync_weights.submit(trainer, engines).result())
+        logger.info("Run %s: store %s; %d engine replica(s)", run_id, store.url, len(engines))
+
+        progress_id = create_progress_artifact(
+            0.0, key=_artifact_key(run_id, "progress"), description=f"Training progress {run_id}")
+        rows: list[dict[str, Any]] = []
+        last_ckpt: dict[str, Any] | None = None
+        final: dict[str, float] = {}
+        for it in range(cfg.iterations):
+            t0 = time.perf_counter()
+            with on("env"):
+                collected = t.collect.submit(cfg_dict, root, run_id, it, engines)
+            with on("reward"):
+                scored = t.score.submit(cfg_dict, root, run_id, it, collected)
+            with on("trainer"):
+                updated = t.update.submit(trainer, scored)
+            with on("engine"):
+                synced = t.sync_weights.submit(trainer, engines, wait_for=[updated])
+            step = it + 1
+            ckpt = None
+            if step % cfg.storage.save_every == 0 or step == cfg.iterations:
+                with on("trainer"):
+                    ckpt = t.checkpoint.submit(trainer, step, {"iteration": it},
+                                               wait_for=[updated])
+            ev = None
+            if cfg.eval.episodes and (
+                (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.iterations
+            ):
+                with on("env"):
+                    ev = t.evaluate.submit(cfg_dict, root, run_id, engines, cfg.eval.episodes,
+                                           wait_for=[synced])
+            m: dict[str, Any] = {"iteration": float(it), "version": float(step)}
+            m.update(placed("collect", collected.result()[1])["metrics"])
+            m.update(placed("score", scored.result()[1])["metrics"])
+            m.update(placed("update", updated.result())["metrics"])
+            m.update(placed("sync_weights", synced.result())["metrics"])
+            if ckpt is not None:
+                last_ckpt = placed("checkpoint", ckpt.result())
+                m["perf/checkpoint_s"] = last_ckpt["save_s"]
+            if ev is not None:
+                m.update(placed("evaluate", ev.result())["metrics"])
+            m["perf/iteration_s"] = time.perf_counter() - t0
+            store.append_jsonl("metrics.jsonl", m)
+            row = summary_row(m)
+            rows.append(row)
+            final = m
+            logger.info(progress.format_row(row))
+            progress.report(row)
+            update_progress_artifact(progress_id, 100.0 * step / cfg.iterations)
+
+        create_table_artifact(rows, key=_artifact_key(run_id, "metrics"),
+                              description=f"Per-iteration metrics of {run_id}")
+        ckpt_path = last_ckpt["path"] if last_ckpt else None
+        create_markdown_artifact(
+            f"# {run_id}\n\n- store: `{store.url}`\n- latest checkpoint: `{ckpt_path}`\n"
+            f"- metrics: `{store.path('metrics.jsonl')}`\n",
+            key=_artifact_key(run_id, "checkpoints"), description="Checkpoints and metrics",
+        )
+        fingerprints = {"trainer": trainer.fingerprint().result(),
+                        "engine": engines[0].fingerprint().result()}
+    return {
+        "run_id": run_id,
+        "store": store.url,
+        "checkpoint": ckpt_path,
+        "final_metrics": final,
+        "placement": placement,
+        "fingerprints": fingerprints,
+    }

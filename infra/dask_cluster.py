@@ -1,0 +1,70 @@
+"""Embedded Dask cluster whose workers carry hardware-class resources.
+
+One machine plays every class: each worker is a separate process (Nanny) that advertises one
+resource named after its class (`H800=1`, `H20=1`, `CPU=1`), so a submission annotated with
+`resources={"H20": 1}` can only land on an H20-class worker. The same code, pointed at a real
+scheduler address, runs on a cluster whose workers were started with `dask worker --resources`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from distributed import Nanny, Scheduler, SpecCluster
+
+
+def worker_spec(workers: dict[str, int], threads_per_worker: int = 1) -> dict[str, dict]:
+    """Spec for SpecCluster: one entry per worker, named `{class}-{i}`, resource `{class}: 1`."""
+    spec: dict[str, dict] = {}
+    for hw_class, count in workers.items():
+        for i in range(count):
+            spec[f"{hw_class}-{i}"] = {
+                "cls": Nanny,
+                "options": {
+                    "nthreads": threads_per_worker,
+                    "resources": {hw_class: 1},
+                    "memory_limit": 0,  # the machine is shared by every class; do not pause
+                    "name": f"{hw_class}-{i}",
+                    "host": "127.0.0.1",
+                },
+            }
+    return spec
+
+
+class HardwareClassCluster(SpecCluster):
+    """LocalCluster-like SpecCluster with heterogeneous, resource-tagged workers on loopback."""
+
+    def __init__(
+        self,
+        workers: dict[str, int] | None = None,
+        threads_per_worker: int = 1,
+        dashboard: bool = True,
+        **kwargs,
+    ) -> None:
+        workers = workers or {"H800": 1, "H20": 1, "CPU": 1}
+        # Torch in every worker process would otherwise grab every core; stages set their own.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        scheduler = {
+            "cls": Scheduler,
+            "options": {
+                "host": "127.0.0.1",
+                "port": 0,
+                "dashboard_address": "127.0.0.1:0" if dashboard else None,
+                "dashboard": dashboard,
+            },
+        }
+        super().__init__(
+            workers=worker_spec(workers, threads_per_worker),
+            scheduler=scheduler,
+            name="rollart-embedded",
+            **kwargs,
+        )
+
+
+def worker_classes(client) -> dict[str, list[str]]:
+    """Map hardware class -> worker addresses, from the scheduler's view of worker resources."""
+    out: dict[str, list[str]] = {}
+    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        for res in info.get("resources", {}):
+            out.setdefault(res, []).append(addr)
+    return out

@@ -1,0 +1,91 @@
+"""`rollart` console script (typer). Prefect is imported lazily, only by commands that run flows."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from rollart.config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Agentic RL on disaggregated hardware (Prefect + Dask).")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.secho(f"error: {msg}", fg="red", err=True)
+    raise typer.Exit(code)
+
+
+def _ensure_prefect_api() -> str | None:
+    """Use PREFECT_API_URL if set; otherwise start (or reuse) the local server. Returns UI URL."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"].removesuffix("/api")
+    from infra.prefect_server import start_server
+
+    typer.echo("Starting the local Prefect server (reused by later runs) ...")
+    server = start_server()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    return server.ui_url
+
+
+@app.command()
+def check_config(
+    config: Path = typer.Option(Path("configs/default.yaml"), "--config", "-c"),
+    set_: list[str] = typer.Option([], "--set", help="Override: key.path=value (repeatable)"),
+) -> None:
+    """Validate a config (and overrides) without starting anything."""
+    try:
+        cfg = load_config(config, set_)
+    except ConfigError as err:
+        _fail(str(err))
+    typer.echo(f"ok: {config} ({cfg.name}, {cfg.iterations} iterations)")
+
+
+@app.command()
+def train(
+    config: Path = typer.Option(Path("configs/default.yaml"), "--config", "-c"),
+    set_: list[str] = typer.Option([], "--set", help="Override: key.path=value (repeatable)"),
+    scheduler: str = typer.Option(None, "--scheduler", help="Existing Dask scheduler address"),
+    run_id: str = typer.Option(None, "--run-id", help="Name of the run (default: name-time)"),
+) -> None:
+    """Run a training flow on the embedded default (or an existing Dask scheduler)."""
+    try:
+        cfg = load_config(config, set_)  # before any server or cluster starts
+    except ConfigError as err:
+        _fail(str(err))
+    ui = _ensure_prefect_api()
+    from flows.train import new_run_id
+    from flows.train import train as train_flow
+    from rollart import progress
+
+    run_id = run_id or new_run_id(cfg.name)
+    typer.echo(f"Run {run_id}: {cfg.iterations} iterations, "
+               f"{cfg.rollout.num_groups}x{cfg.rollout.group_size} episodes per iteration")
+    typer.echo(f"Watch it in the Prefect UI: {ui}/runs")
+    progress.install(progress.TerminalTable(cfg.iterations))
+    state = train_flow(config=str(config), overrides=list(set_), scheduler_address=scheduler,
+                       run_id=run_id, return_state=True)
+    flow_run_id = state.state_details.flow_run_id
+    if not state.is_completed():
+        typer.secho(f"Run failed: {state.message}", fg="red", err=True)
+        typer.echo(f"Flow run: {ui}/runs/flow-run/{flow_run_id}")
+        raise typer.Exit(1)
+    out = state.result()
+    m = out["final_metrics"]
+    typer.secho(f"\nDone: {out['run_id']}", fg="green", bold=True)
+    typer.echo(f"  final success rate (train) {m.get('rollout/success_rate', 0):.2f}, "
+               f"greedy eval {m.get('eval/success_rate', float('nan')):.2f}")
+    typer.echo(f"  checkpoint: {out['checkpoint']}")
+    typer.echo(f"  metrics:    {out['store']}/metrics.jsonl")
+    typer.echo(f"  flow run:   {ui}/runs/flow-run/{flow_run_id}")
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,259 @@
+"""Typed run configuration, loaded from YAML and validated before anything starts.
+
+One small model per component; every model forbids unknown keys so a typo fails at load time with
+the dotted path of the offending key. `load_config(path, overrides)` is the only entry point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line that names the key and how to fix it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Strict):
+    """Llama-style decoder built from config with random init (nanoGPT-sized)."""
+
+    hidden_size: int = Field(64, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(2, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(256, gt=0)
+    max_position: int = Field(1024, gt=0)
+    vocab_size: int = Field(320, ge=160)  # tokenizer is trained locally to this size
+
+    @model_validator(mode="after")
+    def _head_dim(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        if self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                "head_dim = hidden_size / num_heads must be >= 32 (vLLM kernels need it); "
+                "raise hidden_size or lower num_heads"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be divisible by num_kv_heads")
+        return self
+
+
+class ModelConfig(_Strict):
+    source: Literal["tiny", "hf_dir"] = "tiny"
+    path: str | None = None  # local HF directory when source == "hf_dir"
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _path(self) -> ModelConfig:
+        if self.source == "hf_dir" and not self.path:
+            raise ValueError("model.path is required when model.source is 'hf_dir'")
+        return self
+
+
+class EngineConfig(_Strict):
+    backend: Literal["hf"] = "hf"
+    replicas: int = Field(1, ge=1)
+    max_new_tokens: int = Field(8, gt=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: list[str] = ["</answer>"]
+    max_batch_size: int = Field(256, gt=0)
+
+
+class TaskConfig(_Strict):
+    """One environment kind and its share of each batch."""
+
+    name: str = "frozenlake"
+    env_id: str = "FrozenLake-v1"
+    env_kwargs: dict[str, Any] = {"map_name": "4x4", "is_slippery": False}
+    share: float = Field(1.0, gt=0.0)  # relative share of groups per batch
+    max_turns: int = Field(8, gt=0)
+    format_penalty: float = -0.1  # per turn without the strict format (half with lenient action)
+    parser: Literal["strict", "lenient"] = "lenient"  # lenient: first action word if no tags
+    seeds: Literal["fixed", "random"] = "random"  # reset seeds: one fixed seed or fresh per group
+    eval_seed_offset: int = 1_000_000  # evaluation seeds are disjoint from training seeds
+
+
+class RolloutConfig(_Strict):
+    num_groups: int = Field(4, gt=0)
+    group_size: int = Field(16, gt=0)
+
+    @model_validator(mode="after")
+    def _group(self) -> RolloutConfig:
+        if self.group_size < 2:
+            raise ValueError(
+                "group_size must be >= 2: group-normalised advantages are all zero for groups of 1"
+            )
+        return self
+
+
+class AlgoConfig(_Strict):
+    advantage: str = "grpo"  # registry key in rollart.algo
+    loss: str = "ppo_clip"  # registry key in rollart.algo
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.2, ge=0.0)
+    loss_agg: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+    kl_coef: float = Field(0.0, ge=0.0)  # k3 KL to the initial policy; 0 disables the reference
+    entropy_coef: float = Field(0.05, ge=0.0)
+    std_eps: float = Field(1e-6, gt=0.0)
+    normalize_std: bool = True  # False gives Dr.GRPO
+
+
+class TrainConfig(_Strict):
+    lr: float = Field(1e-3, gt=0.0)
+    epochs: int = Field(2, gt=0)
+    micro_batch_size: int = Field(64, gt=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    threads: int = Field(1, gt=0)  # torch intra-op threads on the trainer worker
+
+
+class ClusterConfig(_Strict):
+    """Where stages run. `address` points at an existing scheduler; None starts a local one."""
+
+    address: str | None = None
+    # Embedded cluster: worker count per hardware class; each worker gets resource {class: 1}.
+    workers: dict[str, int] = {"H800": 1, "H20": 1, "CPU": 1}
+    # Stage -> hardware class (= Dask resource name).
+    stages: dict[str, str] = {
+        "trainer": "H800",
+        "engine": "H20",
+        "env": "CPU",
+        "reward": "CPU",
+    }
+    threads_per_worker: int = Field(1, gt=0)
+    dashboard: bool = True
+
+    @model_validator(mode="after")
+    def _stages(self) -> ClusterConfig:
+        need = {"trainer", "engine", "env", "reward"}
+        missing = need - set(self.stages)
+        if missing:
+            raise ValueError(f"cluster.stages is missing {sorted(missing)}")
+        if self.address is None:
+            unknown = {c for c in self.stages.values() if c not in self.workers}
+            if unknown:
+                raise ValueError(
+                    f"cluster.stages maps to classes {sorted(unknown)} that have no workers in "
+                    "cluster.workers"
+                )
+        return self
+
+
+class RewardConfig(_Strict):
+    backend: Literal["local"] = "local"
+    function: str = "env_outcome"  # handler name in rollart.rewards.handlers
+
+
+class StorageConfig(_Strict):
+    root: str = "artifacts"  # local path or fsspec URL (file://..., s3://bucket/prefix)
+    save_every: int = Field(5, gt=0)  # checkpoint every N iterations (and after the last)
+    keep_last: int = Field(2, gt=0)
+    shards: bool = True  # write trajectory shards (Parquet)
+
+
+class EvalConfig(_Strict):
+    episodes: int = Field(32, ge=0)
+    every: int = Field(10, ge=0)  # 0: only at the end
+
+
+class RunConfig(_Strict):
+    name: str = "frozenlake-tiny"
+    seed: int = 0
+    iterations: int = Field(40, gt=0)
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    tasks: list[TaskConfig] = [TaskConfig()]
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    storage: StorageConfig = StorageConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _tasks(self) -> RunConfig:
+        if not self.tasks:
+            raise ValueError("tasks must list at least one task")
+        names = [t.name for t in self.tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task names must be unique, got {names}")
+        return self
+
+
+def _parse_value(text: str) -> Any:
+    """`--set a.b=c` values are YAML scalars/lists: 3 -> int, 1e-3 -> float, [a,b] -> list."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                node = node[int(part)]
+                continue
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict | list):
+                raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section")
+        last = parts[-1]
+        if isinstance(node, list):
+            node[int(last)] = _parse_value(raw)
+        else:
+            node[last] = _parse_value(raw)
+    return data
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{loc}' (check the spelling; see configs/default.yaml)"
+    msg = first["msg"].removeprefix("Value error, ")
+    extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    got = first.get("input")
+    got_s = f", got {got!r}" if got is not None and not isinstance(got, dict) else ""
+    return f"invalid config key '{loc}': {msg}{got_s}{extra}"
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {p} is not valid YAML: {err}".splitlines()[0]) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = loaded
+    return config_from_dict(apply_overrides(data, overrides or []))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

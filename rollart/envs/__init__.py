@@ -1,0 +1,21 @@
+"""Text environments: the `Env` contract, action parsing, gymnasium toy-text adapters, registry."""
+
+from rollart.envs.base import Env, StepInfo, answer_format, turn_text
+from rollart.envs.parsing import ParserMode, parse_action
+from rollart.envs.registry import ENV_BUILDERS, find_builder, make_env, register_env
+from rollart.envs.toytext import FAMILIES, ToyTextEnv
+
+__all__ = [
+    "ENV_BUILDERS",
+    "FAMILIES",
+    "Env",
+    "ParserMode",
+    "StepInfo",
+    "ToyTextEnv",
+    "answer_format",
+    "find_builder",
+    "make_env",
+    "parse_action",
+    "register_env",
+    "turn_text",
+]

@@ -1,0 +1,53 @@
+"""The same iteration as the Prefect flow, in one process, with services held as plain objects.
+
+Used by benchmarks and unit tests to exercise the RL loop without a cluster or a Prefect server
+(the flow is the orchestrated version of exactly these calls).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollart import stages
+from rollart.config import RunConfig
+from rollart.metrics import summary_row
+from rollart.services import EngineService, TrainerService
+from rollart.storage.store import RunStore
+
+
+def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] | None = None,
+              eval_every: int | None = None) -> dict[str, Any]:
+    cfg_dict = cfg.model_dump(mode="json")
+    root = cfg.storage.root
+    stages.prepare(cfg_dict, root, run_id)
+    trainer = TrainerService(cfg_dict, root, run_id)
+    engines = [EngineService(cfg_dict, root, run_id, r) for r in range(cfg.engine.replicas)]
+    stages.sync_weights(trainer, engines)
+    store = RunStore(root, run_id)
+    curve: list[dict[str, Any]] = []
+    every = cfg.eval.every if eval_every is None else eval_every
+    t_start = time.perf_counter()
+    for it in range(cfg.iterations):
+        t0 = time.perf_counter()
+        collected = stages.collect(cfg_dict, root, run_id, it, engines)
+        scored = stages.score(cfg_dict, root, run_id, it, collected)
+        updated = stages.update(trainer, scored)
+        synced = stages.sync_weights(trainer, engines)
+        m: dict[str, Any] = {"iteration": float(it)}
+        for part in (collected[1], scored[1], updated, synced):
+            m.update(part["metrics"])
+        step = it + 1
+        if cfg.eval.episodes and ((every and step % every == 0) or step == cfg.iterations):
+            m.update(stages.evaluate(cfg_dict, root, run_id, engines, cfg.eval.episodes)["metrics"])
+        if step % cfg.storage.save_every == 0 or step == cfg.iterations:
+            stages.checkpoint(trainer, step, {"iteration": it})
+        m["perf/iteration_s"] = time.perf_counter() - t0
+        m["perf/elapsed_s"] = time.perf_counter() - t_start
+        store.append_jsonl("metrics.jsonl", m)
+        curve.append(m)
+        if on_iteration:
+            on_iteration(summary_row(m))
+    return {"run_id": run_id, "store": store.url, "curve": curve,
+            "wall_s": time.perf_counter() - t_start, "trainer": trainer, "engines": engines}

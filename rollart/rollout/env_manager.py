@@ -1,0 +1,158 @@
+"""Env manager: runs multi-turn episodes against an inference engine and builds trajectories.
+
+The conversation is built incrementally in token space so the loss mask is exact: system and user
+turns and the chat-template glue are masked (0); every token the engine generated is unmasked (1)
+and carries its behaviour log-prob and the weight version that produced it.
+
+This loop advances all live episodes of a batch in lockstep (one batched `generate` call per turn),
+which keeps the engine busy with large batches. Env failures cost the episode, never the batch.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollart.config import TaskConfig
+from rollart.envs import make_env
+from rollart.models.chat import ChatFormat
+from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory, Turn
+
+GenerateFn = Callable[[list[GenerationRequest]], list[Completion]]
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    task: TaskConfig
+    seed: int
+    group_id: str
+    sample_id: str
+    iteration: int = 0
+
+
+@dataclass
+class _Episode:
+    spec: EpisodeSpec
+    traj: Trajectory
+    env: object
+    observation: str = ""
+    done: bool = False
+    pending_prompt_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "env_s": 0.0})
+
+    def extend(self, ids: list[int], mask: int, logprobs: list[float] | None = None,
+               version: int = -1) -> None:
+        t = self.traj
+        t.token_ids.extend(ids)
+        t.loss_mask.extend([mask] * len(ids))
+        t.behaviour_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        t.token_versions.extend([version if mask else -1] * len(ids))
+
+
+def _new_trajectory(spec: EpisodeSpec) -> Trajectory:
+    return Trajectory(
+        sample_id=spec.sample_id, task=spec.task.name, env_id=spec.task.env_id,
+        group_id=spec.group_id, seed=spec.seed, iteration=spec.iteration,
+        token_ids=[], loss_mask=[], behaviour_logprobs=[], token_versions=[],
+    )
+
+
+def _fail(ep: _Episode, where: str) -> None:
+    ep.traj.error = f"{where}: {traceback.format_exc(limit=2).strip().splitlines()[-1]}"
+    ep.done = True
+
+
+def _start(spec: EpisodeSpec, chat: ChatFormat) -> _Episode:
+    ep = _Episode(spec=spec, traj=_new_trajectory(spec), env=None)
+    t0 = time.perf_counter()
+    try:
+        ep.env = make_env(spec.task)
+        ep.observation, _ = ep.env.reset(seed=spec.seed)
+        system = ep.env.system_prompt
+    except Exception:
+        _fail(ep, "reset")
+        return ep
+    finally:
+        ep.timings["env_s"] += time.perf_counter() - t0
+    ep.extend(chat.system(system) + chat.user(ep.observation) + chat.assistant_header(), 0)
+    ep.pending_prompt_tokens = len(ep.traj.token_ids)
+    return ep
+
+
+def _apply(ep: _Episode, comp: Completion, chat: ChatFormat, max_context: int,
+           max_new_tokens: int) -> None:
+    """Append the completion, step the env, append the next observation."""
+    ep.extend(comp.token_ids, 1, comp.logprobs, comp.weight_version)
+    ep.extend(chat.end_after_eos() if comp.finish_reason == "eos" else chat.assistant_end(), 0)
+    t0 = time.perf_counter()
+    try:
+        obs, reward, terminated, truncated, info = ep.env.step(comp.text)
+    except Exception:
+        ep.timings["env_s"] += time.perf_counter() - t0
+        _fail(ep, "step")
+        return
+    env_s = time.perf_counter() - t0
+    ep.timings["env_s"] += env_s
+    traj = ep.traj
+    traj.turns.append(Turn(
+        index=len(traj.turns), observation=ep.observation, response=comp.text,
+        action=info.get("action"), format_ok=bool(info.get("format_ok", False)),
+        env_reward=float(reward), prompt_tokens=ep.pending_prompt_tokens,
+        completion_tokens=len(comp.token_ids), weight_version=comp.weight_version,
+        generate_s=comp.generate_s, env_s=env_s,
+    ))
+    traj.env_return += float(reward)
+    traj.task_return += float(info.get("task_reward", reward))
+    traj.format_penalty += float(info.get("format_penalty", 0.0))
+    traj.format_errors += 0 if info.get("format_ok", False) else 1
+    traj.success = traj.success or bool(info.get("success", False))
+    traj.terminated, traj.truncated = bool(terminated), bool(truncated)
+    if terminated or truncated:
+        ep.done = True
+        return
+    next_ids = chat.user(obs) + chat.assistant_header()
+    if len(traj.token_ids) + len(next_ids) + max_new_tokens > max_context:
+        traj.truncated, ep.done = True, True  # context budget exhausted
+        return
+    ep.observation = obs
+    ep.extend(next_ids, 0)
+    ep.pending_prompt_tokens = len(next_ids)
+
+
+def run_episodes(
+    specs: list[EpisodeSpec],
+    generate: GenerateFn,
+    chat: ChatFormat,
+    params: SamplingParams,
+    max_context: int = 1024,
+) -> list[Trajectory]:
+    """Run every episode to completion; returns trajectories in the order of `specs`."""
+    episodes = [_start(s, chat) for s in specs]
+    while True:
+        live = [ep for ep in episodes if not ep.done]
+        if not live:
+            break
+        requests = [
+            GenerationRequest(f"{ep.spec.sample_id}#t{ep.traj.num_turns}",
+                              list(ep.traj.token_ids), params)
+            for ep in live
+        ]
+        t0 = time.perf_counter()
+        completions = generate(requests)
+        gen_s = time.perf_counter() - t0
+        by_id = {c.request_id: c for c in completions}
+        for ep, req in zip(live, requests, strict=True):
+            ep.timings["generate_s"] += gen_s
+            _apply(ep, by_id[req.request_id], chat, max_context, params.max_new_tokens)
+    out = []
+    for ep in episodes:
+        if ep.env is not None:
+            try:
+                ep.env.close()
+            except Exception:  # closing a broken env must not cost the episode
+                pass
+        ep.traj.timings.update(ep.timings)
+        out.append(ep.traj)
+    return out

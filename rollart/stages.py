@@ -1,0 +1,138 @@
+"""The stage bodies of one RL iteration, free of Prefect: `tasks/` wraps each in a @task.
+
+Services are passed as handles (Dask actors in a run, or plain service objects in tests and
+benchmarks); `call` hides the difference between an actor future and a direct return.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from rollart.algo import get_advantage_estimator, zero_variance_groups
+from rollart.config import RunConfig, config_from_dict, dump_config
+from rollart.metrics import reward_metrics, rollout_metrics
+from rollart.rewards.client import LocalRewardClient
+from rollart.rollout.env_manager import EpisodeSpec, run_episodes
+from rollart.rollout.plan import plan_eval, plan_iteration
+from rollart.services import chat_format, prepare_tokenizer, worker_identity
+from rollart.storage.store import RunStore
+from rollart.types import SamplingParams, Trajectory
+
+
+def trajectories_of(x: list[Trajectory] | tuple[list[Trajectory], dict]) -> list[Trajectory]:
+    """Stages hand on `(trajectories, info)`; accept that or a bare list."""
+    return x[0] if isinstance(x, tuple) else x
+
+
+def call(handle: Any, method: str, *args: Any) -> Any:
+    out = getattr(handle, method)(*args)
+    return out.result() if hasattr(out, "result") and callable(out.result) else out
+
+
+def prepare(cfg_dict: dict, root: str, run_id: str) -> dict[str, Any]:
+    cfg = config_from_dict(cfg_dict)
+    store = RunStore(root, run_id)
+    if not store.exists("config.yaml"):
+        store.write_text("config.yaml", dump_config(cfg))
+    vocab = prepare_tokenizer(cfg, store)
+    return {"vocab_size": vocab, "store": store.url, **worker_identity()}
+
+
+def _sampling(cfg: RunConfig, greedy: bool = False) -> SamplingParams:
+    e = cfg.engine
+    return SamplingParams(max_new_tokens=e.max_new_tokens, temperature=0.0 if greedy else
+                          e.temperature, top_p=1.0 if greedy else e.top_p, stop=list(e.stop))
+
+
+def _run_on_engines(cfg: RunConfig, root: str, run_id: str, specs: list[EpisodeSpec],
+                    engines: list[Any], params: SamplingParams) -> list[Trajectory]:
+    """Split episodes across engine replicas (contiguous, so groups stay together)."""
+    chat = chat_format(root, run_id, cfg.model.path if cfg.model.source == "hf_dir" else None)
+    max_ctx = cfg.model.tiny.max_position if cfg.model.source == "tiny" else 4096
+    n = len(engines)
+    chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
+
+    def run(i: int) -> list[Trajectory]:
+        return run_episodes(chunks[i], lambda reqs: call(engines[i], "generate", reqs),
+                            chat, params, max_ctx)
+
+    if n == 1:
+        return run(0)
+    with ThreadPoolExecutor(n) as pool:
+        return [t for part in pool.map(run, range(n)) for t in part]
+
+
+def collect(cfg_dict: dict, root: str, run_id: str, iteration: int,
+            engines: list[Any]) -> tuple[list[Trajectory], dict[str, Any]]:
+    cfg = config_from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    trajs = _run_on_engines(cfg, root, run_id, plan_iteration(cfg, iteration), engines,
+                            _sampling(cfg))
+    wall = time.perf_counter() - t0
+    m = rollout_metrics(trajs)
+    m["perf/rollout_s"] = wall
+    m["perf/gen_tokens_per_s"] = m["rollout/model_tokens"] / max(wall, 1e-9)
+    return trajs, {"metrics": m, **worker_identity()}
+
+
+def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
+          collected: Any) -> tuple[list[Trajectory], dict[str, Any]]:
+    """Rewards, then group-normalised advantages; failed episodes are dropped here."""
+    cfg = config_from_dict(cfg_dict)
+    t0 = time.perf_counter()
+    ok = [t for t in trajectories_of(collected) if t.error is None]
+    LocalRewardClient(cfg.reward.function).score(ok)
+    rewards = torch.tensor([t.reward for t in ok], dtype=torch.float32)
+    groups = [t.group_id for t in ok]
+    estimator = get_advantage_estimator(cfg.algo.advantage)
+    adv = estimator(rewards, groups, normalize_std=cfg.algo.normalize_std,
+                    std_eps=cfg.algo.std_eps) if ok else torch.zeros(0)
+    for t, a in zip(ok, adv.tolist(), strict=True):
+        t.advantage = a
+    m = reward_metrics(ok, len(zero_variance_groups(rewards, groups)) if ok else 0)
+    if cfg.storage.shards and ok:
+        RunStore(root, run_id).write_shard(iteration, ok)
+    m["perf/score_s"] = time.perf_counter() - t0
+    return ok, {"metrics": m, **worker_identity()}
+
+
+def update(trainer: Any, scored: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = call(trainer, "update", trajectories_of(scored))
+    out["metrics"]["perf/update_s"] = time.perf_counter() - t0
+    return {**out, "caller": worker_identity()}
+
+
+def sync_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
+    """Trainer -> engines, worker to worker through this task (runs on an engine worker)."""
+    t0 = time.perf_counter()
+    version, state = call(trainer, "export_weights")
+    pauses = [call(e, "update_weights", version, state)["pause_s"] for e in engines]
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    return {
+        "version": version,
+        "metrics": {"perf/sync_s": time.perf_counter() - t0, "perf/sync_pause_s": max(pauses),
+                    "perf/sync_bytes": float(nbytes)},
+        **worker_identity(),
+    }
+
+
+def checkpoint(trainer: Any, step: int, meta: dict[str, Any]) -> dict[str, Any]:
+    return {**call(trainer, "save_checkpoint", step, meta), "caller": worker_identity()}
+
+
+def evaluate(cfg_dict: dict, root: str, run_id: str, engines: list[Any],
+             episodes: int) -> dict[str, Any]:
+    """Greedy episodes on held-out seeds."""
+    cfg = config_from_dict(cfg_dict)
+    t0 = time.perf_counter()
+    trajs = _run_on_engines(cfg, root, run_id, plan_eval(cfg, episodes), engines,
+                            _sampling(cfg, greedy=True))
+    m = rollout_metrics(trajs, prefix="eval")
+    m["perf/eval_s"] = time.perf_counter() - t0
+    return {"metrics": m, **worker_identity()}
