@@ -18,7 +18,9 @@ from rollart.storage.store import RunStore
 
 
 def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] | None = None,
-              eval_every: int | None = None) -> dict[str, Any]:
+              eval_every: int | None = None,
+              stop_when: Callable[[list[float]], bool] | None = None) -> dict[str, Any]:
+    """Run `cfg.iterations` iterations; `stop_when(eval_history)` may end the run early."""
     cfg_dict = cfg.model_dump(mode="json")
     root = cfg.storage.root
     stages.prepare(cfg_dict, root, run_id)
@@ -27,6 +29,7 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
     stages.sync_weights(trainer, engines)
     store = RunStore(root, run_id)
     curve: list[dict[str, Any]] = []
+    evals: list[float] = []
     every = cfg.eval.every if eval_every is None else eval_every
     t_start = time.perf_counter()
     for it in range(cfg.iterations):
@@ -49,5 +52,9 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
         curve.append(m)
         if on_iteration:
             on_iteration(summary_row(m))
+        if "eval/success_rate" in m:
+            evals.append(m["eval/success_rate"])
+            if stop_when is not None and stop_when(evals):
+                break
     return {"run_id": run_id, "store": store.url, "curve": curve,
             "wall_s": time.perf_counter() - t_start, "trainer": trainer, "engines": engines}

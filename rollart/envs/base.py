@@ -2,7 +2,7 @@
 
 An episode is `reset(seed)` followed by `step(action_text)` calls until `terminated` or
 `truncated`. Each observation is the next user message of the conversation, rendered by
-`turn_text`: "Turn 3:\\n<state>\\nYou have 5 actions left." (the first observation is turn 1 with
+`turn_text`: "Turn 3:\\n<state>\\n5 moves remaining." (the first observation is turn 1 with
 `max_turns` actions left).
 
 `step` returns `reward = task_reward + format_penalty` for that turn, and an `info` dict that holds
@@ -55,8 +55,10 @@ class Env(Protocol):
 
 def turn_text(turn: int, body: str, actions_left: int) -> str:
     """The per-turn user message shared by all adapters (kept short for tiny models)."""
-    unit = "action" if actions_left == 1 else "actions"
-    return f"Turn {turn}:\n{body}\nYou have {actions_left} {unit} left."
+    # No action name may appear here ("actions left." once became a token that the lenient
+    # parser read as the action Left, and the policy learned to copy it).
+    unit = "move" if actions_left == 1 else "moves"
+    return f"Turn {turn}:\n{body}\n{actions_left} {unit} remaining."
 
 
 def answer_format(action_names: list[str]) -> str:

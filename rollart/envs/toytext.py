@@ -22,7 +22,7 @@ from gymnasium.envs.registration import load_env_creator
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from rollart.envs.base import answer_format, turn_text
-from rollart.envs.parsing import PARSER_MODES, ParserMode, parse_action
+from rollart.envs.parsing import format_score, PARSER_MODES, ParserMode, parse_action
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 RANDOM_MAP_KEYS = ("random_map", "size", "p")
@@ -191,12 +191,10 @@ class ToyTextEnv:
             raise RuntimeError("step() called before reset() or after the episode ended")
         name, format_ok = parse_action(action_text, self._names, self.parser)
         self._turn += 1
-        # Graded format credit: a bare action word (lenient) costs half the penalty of no action,
-        # so a model from random init gets a signal long before it emits the full tag format.
-        if format_ok:
-            penalty = 0.0
-        else:
-            penalty = self.format_penalty * (0.5 if name is not None else 1.0)
+        # Graded format credit: each piece of the format present reduces the penalty, so a model
+        # from random init gets a signal long before it emits the full tag format.
+        penalty = 0.0 if format_ok else self.format_penalty * (
+            1.0 - format_score(action_text, self._names))
         task_reward, terminated, inner_truncated, success = 0.0, False, False, False
         if name is not None:
             obs, reward, terminated, inner_truncated, _ = self._inner.step(self._names.index(name))

@@ -19,8 +19,8 @@ torch.set_num_threads(1)
 
 CORPUS = [
     "You are playing FrozenLake. Reply with <answer>Left</answer>, Down, Right or Up.",
-    "Turn 1:\nPFFF\nFHFH\nFFFH\nHFFG\nYou have 7 actions left.",
-    "Turn 2:\nSFFF\nFHPH\nFFFH\nHFFG\nYou have 6 actions left.",
+    "Turn 1:\nPFFF\nFHFH\nFFFH\nHFFG\n7 moves remaining.",
+    "Turn 2:\nSFFF\nFHPH\nFFFH\nHFFG\n6 moves remaining.",
 ] * 4
 
 

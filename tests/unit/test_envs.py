@@ -93,7 +93,7 @@ def test_frozenlake_reset_text_and_prompt() -> None:
     assert isinstance(env, Env)
     assert env.action_names == FL
     obs, info = env.reset(seed=0)
-    assert obs == f"Turn 1:\n{START}\nYou have 8 actions left."
+    assert obs == f"Turn 1:\n{START}\n8 moves remaining."
     assert info["seed"] == 0
     for name in FL:
         assert answer(name) in env.system_prompt
@@ -132,24 +132,25 @@ def test_malformed_output_is_a_penalised_noop() -> None:
     env.step(answer("Down"))
     obs, reward, terminated, truncated, info = env.step("I think I should jump")
     assert reward == pytest.approx(-0.01) and info["format_penalty"] == pytest.approx(-0.01)
+    assert env.step("<answer>jump</answer>")[1] == pytest.approx(-0.005)  # tags: 0.5 credit
     assert info["task_reward"] == 0.0
     assert (info["action"], info["valid"], info["format_ok"]) == (None, False, False)
     assert (terminated, truncated) == (False, False)
-    assert obs == "Turn 3:\nSFFF\nPHFH\nFFFH\nHFFG\nYou have 6 actions left."  # state unchanged
-    # strict mode ignores a bare action word, lenient mode executes it with half the penalty
+    assert obs == "Turn 3:\nSFFF\nPHFH\nFFFH\nHFFG\n6 moves remaining."  # state unchanged
+    # strict mode ignores a bare action word, lenient mode executes it with graded credit (0.4)
     assert env.step("Down")[4]["valid"] is False
     lenient = frozenlake(parser="lenient")
     lenient.reset(seed=0)
     obs, reward, _, _, info = lenient.step("Down.")
     assert (info["action"], info["valid"], info["format_ok"]) == ("Down", True, False)
-    assert reward == pytest.approx(-0.005)
+    assert reward == pytest.approx(-0.006)
     assert "\nPHFH\n" in obs
 
 
 def test_truncation_exactly_at_max_turns_and_countdown() -> None:
     env = frozenlake(max_turns=4)
     obs, _ = env.reset(seed=0)
-    assert obs.endswith("You have 4 actions left.")
+    assert obs.endswith("4 moves remaining.")
     # Left at the start bumps into the wall, so the episode can only end by truncation;
     # an invalid turn counts like any other.
     actions = [answer("Left"), "garbage", answer("Up"), answer("Left")]
@@ -158,7 +159,7 @@ def test_truncation_exactly_at_max_turns_and_countdown() -> None:
         assert info["turn"] == turn and not terminated
         assert obs.startswith(f"Turn {turn + 1}:\n")
         left = 4 - turn
-        assert obs.endswith(f"You have {left} {'action' if left == 1 else 'actions'} left.")
+        assert obs.endswith(f"{left} {'move' if left == 1 else 'moves'} remaining.")
         assert truncated is (turn == 4)
     with pytest.raises(RuntimeError):
         env.step(answer("Down"))
@@ -194,7 +195,7 @@ def test_corpus_texts_cover_prompt_observations_and_answers() -> None:
     texts = env.corpus_texts(episodes=3, seed=0)
     assert texts[0] == env.system_prompt
     assert all(answer(name) in texts for name in FL)
-    assert f"Turn 1:\n{START}\nYou have 8 actions left." in texts
+    assert f"Turn 1:\n{START}\n8 moves remaining." in texts
     assert sum(t.startswith("Turn ") for t in texts) >= 3 * 2
     assert env.step(answer("Down"))[0].startswith("Turn 3:\nSFFF\nFHFH\nPFFH")  # own state kept
 
@@ -240,7 +241,7 @@ def test_unknown_family_needs_action_names() -> None:
 def test_make_env_default_task() -> None:
     env = make_env(TaskConfig())
     assert isinstance(env, ToyTextEnv) and env.max_turns == 8 and env.parser == "lenient"
-    assert env.reset(seed=0)[0] == f"Turn 1:\n{START}\nYou have 8 actions left."
+    assert env.reset(seed=0)[0] == f"Turn 1:\n{START}\n8 moves remaining."
 
 
 def test_make_env_unknown_id() -> None:
@@ -257,6 +258,6 @@ def test_register_env_prefix() -> None:
 
     try:
         env = make_env(TaskConfig(env_id="test-prefix/anything", max_turns=3))
-        assert env.reset(seed=0)[0].endswith("You have 3 actions left.")
+        assert env.reset(seed=0)[0].endswith("3 moves remaining.")
     finally:
         del ENV_BUILDERS["test-prefix/"]
