@@ -63,6 +63,10 @@ def train(
             ))
             address = cluster.scheduler_address
             logger.info("Embedded Dask cluster %s, dashboard %s", address, cluster.dashboard_link)
+            progress.note(f"Dask dashboard:  {cluster.dashboard_link}")
+        from prefect.runtime import flow_run
+
+        progress.note(f"Prefect flow run: {flow_run.ui_url}")
         runner = DaskTaskRunner(address=address)
         return iterations.with_options(task_runner=runner)(
             cfg.model_dump(mode="json"), run_id, address
@@ -115,6 +119,7 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str,
         with on("engine"):
             placed("sync_weights", t.sync_weights.submit(trainer, engines).result())
         logger.info("Run %s: store %s; %d engine replica(s)", run_id, store.url, len(engines))
+        progress.note(f"Checkpoints and metrics under {store.url}")
 
         progress_id = create_progress_artifact(
             0.0, key=_artifact_key(run_id, "progress"), description=f"Training progress {run_id}")

@@ -50,6 +50,7 @@ def train(
     set_: list[str] = typer.Option([], "--set", help="Override: key.path=value (repeatable)"),
     scheduler: str = typer.Option(None, "--scheduler", help="Existing Dask scheduler address"),
     run_id: str = typer.Option(None, "--run-id", help="Name of the run (default: name-time)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Prefect's task logs too"),
 ) -> None:
     """Run a training flow on the embedded default (or an existing Dask scheduler)."""
     try:
@@ -57,6 +58,9 @@ def train(
     except ConfigError as err:
         _fail(str(err))
     ui = _ensure_prefect_api()
+    if not verbose:  # every log still reaches the Prefect UI; the terminal shows the table
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     from flows.train import new_run_id
     from flows.train import train as train_flow
     from rollart import progress

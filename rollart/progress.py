@@ -33,23 +33,31 @@ def report(row: dict[str, Any]) -> None:
         r(row)
 
 
+def note(message: str) -> None:
+    """A one-off line for the terminal (where to watch, where checkpoints go)."""
+    for r in _reporters:
+        getattr(r, "note", lambda m: None)(message)
+
+
 class TerminalTable:
     """Prints a header once, then one aligned row per iteration (works in CI logs too)."""
 
     def __init__(self, total: int) -> None:
-        from rich.console import Console
-
-        self.console = Console(highlight=False)
         self.total = total
         self.header_done = False
+
+    def note(self, message: str) -> None:
+        print(message, flush=True)
 
     def __call__(self, row: dict[str, Any]) -> None:
         cols = [k for k, _ in SUMMARY_KEYS]
         if not self.header_done:
-            self.console.print("  ".join(f"{c:>8}" for c in cols), style="bold")
+            print("  ".join(f"{c:>8}" for c in cols), flush=True)
             self.header_done = True
         cells = []
         for c in cols:
             v = row.get(c, "")
-            cells.append(f"{v:>8}" if not isinstance(v, float) else f"{v:>8.3f}")
-        self.console.print("  ".join(cells))
+            if c == "iter" and v != "":
+                v = f"{int(v) + 1}/{self.total}"
+            cells.append(f"{v:>8.3f}" if isinstance(v, float) else f"{v:>8}")
+        print("  ".join(cells), flush=True)

@@ -22,7 +22,7 @@ from gymnasium.envs.registration import load_env_creator
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from rollart.envs.base import answer_format, turn_text
-from rollart.envs.parsing import format_score, PARSER_MODES, ParserMode, parse_action
+from rollart.envs.parsing import PARSER_MODES, ParserMode, format_score, parse_action
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 RANDOM_MAP_KEYS = ("random_map", "size", "p")
@@ -36,7 +36,8 @@ def _frozenlake_text(env: Any, obs: Any) -> str:
     rows = [[c.decode() for c in row] for row in env.desc]
     r, c = divmod(int(obs), len(rows[0]))
     rows[r][c] = "P"
-    return "\n".join("".join(row) for row in rows)
+    # The explicit position saves a tiny model from locating P inside BPE-merged grid rows.
+    return "\n".join("".join(row) for row in rows) + f"\nP is at row {r + 1}, column {c + 1}."
 
 
 def _cliffwalking_text(env: Any, obs: Any) -> str:

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 
 def test_flow_two_iterations_on_hardware_class_workers(prefect_api, tmp_path):
     from flows.train import train
-    from rollart.models.policy import build_tiny_model
     from rollart.config import load_config
+    from rollart.models.policy import build_tiny_model
     from rollart.services import load_run_tokenizer
     from rollart.storage.store import RunStore
 

@@ -10,7 +10,7 @@ from rollart.config import TaskConfig
 from rollart.envs import ENV_BUILDERS, Env, ToyTextEnv, make_env, parse_action, register_env
 
 FL = ["Left", "Down", "Right", "Up"]
-START = "PFFF\nFHFH\nFFFH\nHFFG"  # gymnasium's 4x4 map with the agent on S
+START = "PFFF\nFHFH\nFFFH\nHFFG\nP is at row 1, column 1."  # 4x4 map, agent on S
 OPTIMAL = ["Down", "Down", "Right", "Right", "Down", "Right"]
 
 
@@ -136,7 +136,8 @@ def test_malformed_output_is_a_penalised_noop() -> None:
     assert info["task_reward"] == 0.0
     assert (info["action"], info["valid"], info["format_ok"]) == (None, False, False)
     assert (terminated, truncated) == (False, False)
-    assert obs == "Turn 3:\nSFFF\nPHFH\nFFFH\nHFFG\n6 moves remaining."  # state unchanged
+    # state unchanged
+    assert obs == "Turn 3:\nSFFF\nPHFH\nFFFH\nHFFG\nP is at row 2, column 1.\n6 moves remaining."
     # strict mode ignores a bare action word, lenient mode executes it with graded credit (0.4)
     assert env.step("Down")[4]["valid"] is False
     lenient = frozenlake(parser="lenient")
@@ -261,3 +262,22 @@ def test_register_env_prefix() -> None:
         assert env.reset(seed=0)[0].endswith("3 moves remaining.")
     finally:
         del ENV_BUILDERS["test-prefix/"]
+
+
+@pytest.mark.parametrize(
+    "text, score",
+    [
+        ("<answer>Left</answer>", 1.0),
+        ("<think>hmm</think> <answer>Up</answer>", 1.0),
+        ("Left", 0.4),
+        ("<answer>Left", 0.65),
+        ("<answer>jump</answer>", 0.5),
+        ("<answer>Left</answer><answer>Up</answer>", 0.9),  # two answers: not strict
+        ("xyz", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_format_score_graded_credit(text, score):
+    from rollart.envs.parsing import format_score
+
+    assert format_score(text, ["Left", "Down", "Right", "Up"]) == pytest.approx(score)
