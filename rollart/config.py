@@ -80,6 +80,9 @@ class TaskConfig(_Strict):
     format_penalty: float = -0.1  # per turn without the strict format (half with lenient action)
     parser: Literal["strict", "lenient"] = "lenient"  # lenient: first action word if no tags
     seeds: Literal["fixed", "random"] = "random"  # reset seeds: one fixed seed or fresh per group
+    # Constrained sampling: the policy may only emit the tokens of the answer format (tags,
+    # action names, end of turn). For tiny models trained from scratch; log-probs stay exact.
+    constrained: bool = False
     eval_seed_offset: int = 1_000_000  # evaluation seeds are disjoint from training seeds
 
 

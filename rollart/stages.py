@@ -16,7 +16,7 @@ from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import RunConfig, config_from_dict, dump_config
 from rollart.metrics import reward_metrics, rollout_metrics
 from rollart.rewards.client import LocalRewardClient
-from rollart.rollout.env_manager import EpisodeSpec, run_episodes
+from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
 from rollart.rollout.plan import plan_eval, plan_iteration
 from rollart.services import chat_format, prepare_tokenizer, worker_identity
 from rollart.storage.store import RunStore
@@ -56,9 +56,11 @@ def _run_on_engines(cfg: RunConfig, root: str, run_id: str, specs: list[EpisodeS
     n = len(engines)
     chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
 
+    per_task = constrained_params(params, chat, cfg.tasks)
+
     def run(i: int) -> list[Trajectory]:
         return run_episodes(chunks[i], lambda reqs: call(engines[i], "generate", reqs),
-                            chat, params, max_ctx)
+                            chat, per_task, max_ctx)
 
     if n == 1:
         return run(0)

@@ -18,6 +18,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0.0 means greedy
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)  # stop strings; the stop string is kept
+    # Constrained sampling: only these token ids may be generated (None = whole vocabulary).
+    # Log-probs are then taken under the restricted (renormalised) distribution.
+    allowed_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Trajectory:
     loss_mask: list[int]  # 1 only on model-generated tokens
     behaviour_logprobs: list[float]  # per token; 0.0 where loss_mask == 0
     token_versions: list[int]  # policy version per token; -1 where loss_mask == 0
+    allowed_token_ids: list[int] | None = None  # sampling restriction the log-probs are under
     turns: list[Turn] = field(default_factory=list)
     env_return: float = 0.0  # sum of env rewards (task reward + format penalties)
     task_return: float = 0.0  # sum of task rewards alone
@@ -138,6 +142,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("loss_mask", pa.list_(pa.int8())),
         ("behaviour_logprobs", pa.list_(pa.float32())),
         ("token_versions", pa.list_(pa.int64())),
+        ("allowed_token_ids", pa.list_(pa.int32())),
         ("turns", pa.list_(TURN_SCHEMA)),
         ("env_return", pa.float64()),
         ("task_return", pa.float64()),

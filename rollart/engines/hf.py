@@ -16,7 +16,9 @@ Behaviour log-prob (the trainer must recompute exactly this quantity):
 
     logprob(token) = log_softmax(float32(logits) / T)[token],  T = temperature if > 0 else 1,
 
-over the full vocabulary, *before* top-p truncation.
+over the full vocabulary, *before* top-p truncation. A request with `allowed_token_ids`
+(constrained sampling) has every other logit set to -inf first, so its log-probs are under the
+restricted distribution; the trainer applies the same restriction.
 
 Finishing, per row: the eos token (`<|im_end|>`, kept) -> "eos"; a stop string appearing in the
 decoded generated text -> "stop" (tokens kept up to and including the token that completed it);
@@ -184,6 +186,18 @@ class HFEngine:
         )
         return out.logits[:, -1, :].float()  # [A, V]
 
+    @staticmethod
+    def _allowed_mask(reqs: list[GenerationRequest], vocab: int) -> Tensor | None:
+        """[A, V] bool, True where a row may sample the token; None when no row is restricted."""
+        if all(r.params.allowed_token_ids is None for r in reqs):
+            return None
+        mask = torch.ones((len(reqs), vocab), dtype=torch.bool)
+        for j, r in enumerate(reqs):
+            if r.params.allowed_token_ids is not None:
+                mask[j] = False
+                mask[j, torch.tensor(r.params.allowed_token_ids, dtype=torch.long)] = True
+        return mask
+
     def _stop_hit(self, token_ids: list[int], stops: list[str]) -> bool:
         # Decode only a tail window: a stop string of L chars spans at most L tokens (each token
         # decodes to >= 1 char), so L + 2 tokens always contain a stop string that ends here.
@@ -212,6 +226,9 @@ class HFEngine:
             top_p = torch.tensor([reqs[b].params.top_p for b in active])  # [A]
             cache = DynamicCache(config=getattr(self.model, "config", None))
             logits = self._forward(input_ids, mask, pos, cache)  # [A, V]
+            allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1])  # [A, V]
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
             next_pos = pos[:, -1:] + 1  # [A, 1]
             while True:
                 tokens, logprobs = sample_tokens(
@@ -241,9 +258,12 @@ class HFEngine:
                     cache.batch_select_indices(sel.to(self.device))
                     mask, next_pos, tokens = mask[sel], next_pos[sel], tokens[sel.to(tokens.device)]
                     temperature, top_p = temperature[sel], top_p[sel]
+                    allowed = allowed[sel] if allowed is not None else None
                     active = [active[j] for j in keep]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [A, T + step]
                 logits = self._forward(tokens[:, None], mask, next_pos, cache)
+                if allowed is not None:
+                    logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
                 next_pos = next_pos + 1
 
         dt = time.perf_counter() - t0

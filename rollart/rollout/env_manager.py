@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rollart.config import TaskConfig
 from rollart.envs import make_env
@@ -49,6 +49,29 @@ class _Episode:
         t.loss_mask.extend([mask] * len(ids))
         t.behaviour_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
         t.token_versions.extend([version if mask else -1] * len(ids))
+
+
+def answer_token_ids(chat: ChatFormat, action_names: list[str]) -> list[int]:
+    """Every token of `<answer>{action}</answer>` for each action, plus end of turn."""
+    ids = {chat.eos_id}
+    for name in action_names:
+        ids.update(chat.encode(f"<answer>{name}</answer>"))
+    return sorted(ids)
+
+
+def constrained_params(params: SamplingParams, chat: ChatFormat,
+                       tasks: list[TaskConfig]) -> dict[str, SamplingParams]:
+    """Per-task sampling params; constrained tasks get `allowed_token_ids` (built from the env's
+    action names, so this runs where env code may run: an env-class worker)."""
+    out = {}
+    for task in tasks:
+        allowed = None
+        if task.constrained:
+            env = make_env(task)
+            allowed = answer_token_ids(chat, list(env.action_names))
+            env.close()
+        out[task.name] = replace(params, allowed_token_ids=allowed)
+    return out
 
 
 def _new_trajectory(spec: EpisodeSpec) -> Trajectory:
@@ -125,18 +148,23 @@ def run_episodes(
     specs: list[EpisodeSpec],
     generate: GenerateFn,
     chat: ChatFormat,
-    params: SamplingParams,
+    params: SamplingParams | dict[str, SamplingParams],
     max_context: int = 1024,
 ) -> list[Trajectory]:
-    """Run every episode to completion; returns trajectories in the order of `specs`."""
+    """Run every episode to completion; returns trajectories in the order of `specs`.
+
+    `params` is one SamplingParams for all, or one per task name."""
+    by_task = params if isinstance(params, dict) else {s.task.name: params for s in specs}
     episodes = [_start(s, chat) for s in specs]
+    for ep in episodes:
+        ep.traj.allowed_token_ids = by_task[ep.spec.task.name].allowed_token_ids
     while True:
         live = [ep for ep in episodes if not ep.done]
         if not live:
             break
         requests = [
             GenerationRequest(f"{ep.spec.sample_id}#t{ep.traj.num_turns}",
-                              list(ep.traj.token_ids), params)
+                              list(ep.traj.token_ids), by_task[ep.spec.task.name])
             for ep in live
         ]
         t0 = time.perf_counter()
@@ -145,7 +173,7 @@ def run_episodes(
         by_id = {c.request_id: c for c in completions}
         for ep, req in zip(live, requests, strict=True):
             ep.timings["generate_s"] += gen_s
-            _apply(ep, by_id[req.request_id], chat, max_context, params.max_new_tokens)
+            _apply(ep, by_id[req.request_id], chat, max_context, req.params.max_new_tokens)
     out = []
     for ep in episodes:
         if ep.env is not None:
