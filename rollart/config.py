@@ -79,6 +79,9 @@ class TaskConfig(_Strict):
     max_turns: int = Field(8, gt=0)
     format_penalty: float = -0.1  # per turn without the strict format (half with lenient action)
     parser: Literal["strict", "lenient"] = "lenient"  # lenient: first action word if no tags
+    # "graded": partial credit per format piece present; "action": penalise only turns
+    # without any parsable action (no reward noise from formatting once actions flow).
+    format_credit: Literal["graded", "action"] = "graded"
     seeds: Literal["fixed", "random"] = "random"  # reset seeds: one fixed seed or fresh per group
     # Constrained sampling: the policy may only emit the tokens of the answer format (tags,
     # action names, end of turn). For tiny models trained from scratch; log-probs stay exact.
@@ -153,8 +156,58 @@ class ClusterConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    backend: Literal["local"] = "local"
-    function: str = "env_outcome"  # handler name in rollart.rewards.handlers
+    """How episodes are scored. `local` runs the handler in-process; `lambda` invokes an AWS
+    Lambda function (real AWS, or the local endpoint through `endpoint_url`) as each episode
+    finishes. Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID/... or a profile."""
+
+    backend: Literal["local", "lambda"] = "local"
+    function: str = "env_outcome"  # handler name (registry) or dotted module.function path
+    function_name: str | None = None  # Lambda function name or ARN; None: `function`
+    alias: str | None = None  # Lambda qualifier: alias name or version number
+    endpoint_url: str | None = None  # None: real AWS; http://127.0.0.1:PORT: local endpoint
+    region: str = "us-east-1"
+    max_concurrency: int = Field(32, ge=1, le=1000)  # invocations in flight from this client
+    timeout_s: float = Field(60.0, gt=0.0, le=900.0)  # per call (socket read timeout)
+    max_retries: int = Field(5, ge=0, le=50)  # per episode, for throttles, 5xx, timeouts
+    # A handler error (FunctionError): retry (then fail), score 0 and flag it, or fail the run.
+    on_error: Literal["retry", "zero", "fail"] = "retry"
+    backoff_base_s: float = Field(0.05, gt=0.0)  # jittered exponential backoff: base ...
+    backoff_max_s: float = Field(5.0, gt=0.0)  # ... and cap
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        import re
+
+        from rollart.rewards.registry import known_handler
+
+        lambda_name = r"^(arn:aws[a-zA-Z-]*:lambda:[a-z0-9-]+:\d{12}:function:)?[\w-]{1,64}$"
+        qualifier = r"^(\$LATEST|[0-9]+|[\w-]*[a-zA-Z_-][\w-]*)$"
+
+        if self.backend == "local" and not known_handler(self.function):
+            from rollart.rewards.registry import HANDLERS
+
+            raise ValueError(
+                f"unknown reward function {self.function!r} for the local backend; known: "
+                f"{sorted(HANDLERS)} (or a dotted module.function path)"
+            )
+        if self.backend == "lambda":
+            name = self.function_name or self.function
+            if not re.match(lambda_name, name, re.ASCII):
+                raise ValueError(
+                    f"{name!r} is not a Lambda function name or ARN (letters, digits, - and _, "
+                    "at most 64); set reward.function_name"
+                )
+        if self.alias is not None and not re.match(qualifier, self.alias, re.ASCII):
+            raise ValueError(f"reward.alias {self.alias!r} must be an alias name or a version")
+        if self.endpoint_url is not None and not re.match(r"^https?://[^/\s]+", self.endpoint_url):
+            raise ValueError("reward.endpoint_url must look like http://host:port (or null)")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("reward.backoff_max_s must be >= reward.backoff_base_s")
+        return self
+
+    @property
+    def lambda_name(self) -> str:
+        return self.function_name or self.function
 
 
 class StorageConfig(_Strict):

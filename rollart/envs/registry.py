@@ -48,6 +48,7 @@ def build_gymnasium(task: TaskConfig) -> Env:
         format_penalty=task.format_penalty,
         parser=task.parser,
         action_names=action_names,
+        format_credit=task.format_credit,
     )
 
 

@@ -126,6 +126,7 @@ class ToyTextEnv:
         format_penalty: float = -0.01,
         parser: ParserMode = "lenient",
         action_names: list[str] | None = None,
+        format_credit: str = "graded",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -136,6 +137,9 @@ class ToyTextEnv:
         self.max_turns = max_turns
         self.format_penalty = float(format_penalty)
         self.parser: ParserMode = parser
+        if format_credit not in ("graded", "action"):
+            raise ValueError(f"format_credit must be 'graded' or 'action', got {format_credit!r}")
+        self.format_credit = format_credit
         key, self._render_modes = _family_key(env_id)
         self.family: Family | None = FAMILIES.get(key)
         self._random_map = bool(self.env_kwargs.get("random_map", False))
@@ -194,8 +198,12 @@ class ToyTextEnv:
         self._turn += 1
         # Graded format credit: each piece of the format present reduces the penalty, so a model
         # from random init gets a signal long before it emits the full tag format.
-        penalty = 0.0 if format_ok else self.format_penalty * (
-            1.0 - format_score(action_text, self._names))
+        if format_ok:
+            penalty = 0.0
+        elif self.format_credit == "action":  # only a turn without any action is penalised
+            penalty = self.format_penalty if name is None else 0.0
+        else:
+            penalty = self.format_penalty * (1.0 - format_score(action_text, self._names))
         task_reward, terminated, inner_truncated, success = 0.0, False, False, False
         if name is not None:
             obs, reward, terminated, inner_truncated, _ = self._inner.step(self._names.index(name))

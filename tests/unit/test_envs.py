@@ -281,3 +281,11 @@ def test_format_score_graded_credit(text, score):
     from rollart.envs.parsing import format_score
 
     assert format_score(text, ["Left", "Down", "Right", "Up"]) == pytest.approx(score)
+
+
+def test_action_format_credit_penalises_only_turns_without_action():
+    env = make_env(TaskConfig(format_credit="action", format_penalty=-0.1))
+    env.reset(seed=0)
+    assert env.step("Down")[1] == pytest.approx(0.0)  # lenient action: no penalty
+    assert env.step("<answer>jump</answer>")[1] == pytest.approx(-0.1)
+    assert env.step("<answer>Down</answer>")[1] == pytest.approx(0.0)
