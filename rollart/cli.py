@@ -8,10 +8,12 @@ from pathlib import Path
 
 import typer
 
+from rollart.cli_lambda import app as lambda_app
 from rollart.config import ConfigError, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Agentic RL on disaggregated hardware (Prefect + Dask).")
+app.add_typer(lambda_app, name="lambda")
 
 
 def _fail(msg: str, code: int = 2) -> None:

@@ -67,6 +67,7 @@ class EngineConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: list[str] = ["</answer>"]
     max_batch_size: int = Field(256, gt=0)
+    threads: int = Field(2, gt=0)  # torch intra-op threads on the engine worker while generating
 
 
 class TaskConfig(_Strict):
@@ -120,7 +121,7 @@ class TrainConfig(_Strict):
     micro_batch_size: int = Field(64, gt=0)
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    threads: int = Field(1, gt=0)  # torch intra-op threads on the trainer worker
+    threads: int = Field(2, gt=0)  # torch intra-op threads on the trainer worker while updating
 
 
 class ClusterConfig(_Strict):
@@ -187,15 +188,15 @@ class RewardConfig(_Strict):
             from rollart.rewards.registry import HANDLERS
 
             raise ValueError(
-                f"unknown reward function {self.function!r} for the local backend; known: "
+                f"reward.function {self.function!r} is not a known handler; known: "
                 f"{sorted(HANDLERS)} (or a dotted module.function path)"
             )
         if self.backend == "lambda":
             name = self.function_name or self.function
             if not re.match(lambda_name, name, re.ASCII):
                 raise ValueError(
-                    f"{name!r} is not a Lambda function name or ARN (letters, digits, - and _, "
-                    "at most 64); set reward.function_name"
+                    f"reward.function_name {name!r} is not a Lambda function name or ARN "
+                    "(letters, digits, - and _, at most 64)"
                 )
         if self.alias is not None and not re.match(qualifier, self.alias, re.ASCII):
             raise ValueError(f"reward.alias {self.alias!r} must be an alias name or a version")

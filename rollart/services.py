@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import tempfile
 import time
 from typing import Any
@@ -102,6 +101,9 @@ class EngineService:
         self.sync_pauses: list[float] = []
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        # Thread settings are per OS thread under OpenMP, and actor methods run on their own
+        # thread, so set them where the work happens.
+        torch.set_num_threads(self.cfg.engine.threads)
         return self.engine.generate(requests)
 
     def update_weights(self, version: int, state: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -139,6 +141,7 @@ class TrainerService:
         self.identity = worker_identity()
 
     def update(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        torch.set_num_threads(self.cfg.train.threads)
         metrics = self.trainer.update(trajs)
         return {"metrics": metrics, "version": self.trainer.version, **self.identity}
 
@@ -173,5 +176,3 @@ def _fingerprint(model: torch.nn.Module) -> float:
         return float(sum(p.detach().abs().sum() for p in model.parameters()))
 
 
-def default_threads() -> int:
-    return int(os.environ.get("ROLLART_THREADS", "1"))

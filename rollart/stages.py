@@ -15,7 +15,7 @@ import torch
 from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import RunConfig, config_from_dict, dump_config
 from rollart.metrics import reward_metrics, rollout_metrics
-from rollart.rewards.client import LocalRewardClient
+from rollart.rewards.client import make_reward_client
 from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
 from rollart.rollout.plan import plan_eval, plan_iteration
 from rollart.services import chat_format, prepare_tokenizer, worker_identity
@@ -88,7 +88,7 @@ def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
     cfg = config_from_dict(cfg_dict)
     t0 = time.perf_counter()
     ok = [t for t in trajectories_of(collected) if t.error is None]
-    LocalRewardClient(cfg.reward.function).score(ok)
+    make_reward_client(cfg.reward).score(ok)
     rewards = torch.tensor([t.reward for t in ok], dtype=torch.float32)
     groups = [t.group_id for t in ok]
     estimator = get_advantage_estimator(cfg.algo.advantage)

@@ -1,12 +1,33 @@
-"""Reward clients: turn finished trajectories into events, call a handler, attach the reward."""
+"""Reward clients: turn finished trajectories into events, call a handler, attach the reward.
+
+- `LocalRewardClient`: the handler in-process (no network; the default backend).
+- `LambdaRewardClient`: boto3 `invoke` against AWS Lambda or the local endpoint
+  (`infra/lambda_endpoint.py`, through `endpoint_url`), with bounded concurrency, a per-call
+  timeout, jittered exponential backoff on throttles/5xx and a policy for handler errors.
+
+Both offer `submit(traj) -> Future` so a rollout can score each episode the moment it ends and
+overlap scoring with generation; `score(trajs)` is submit-all-then-wait.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import random
+import threading
 import time
-from typing import Any, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rollart.rewards.handlers import get_handler
 from rollart.types import Trajectory
+
+if TYPE_CHECKING:
+    from rollart.config import RewardConfig
+
+log = logging.getLogger(__name__)
+RETRYABLE_CODES = {"TooManyRequestsException", "ServiceException", "ResourceNotReadyException",
+                   "EC2ThrottledException", "ThrottlingException", "RequestTimeoutException"}
 
 
 def reward_event(traj: Trajectory) -> dict[str, Any]:
@@ -23,8 +44,21 @@ def reward_event(traj: Trajectory) -> dict[str, Any]:
     }
 
 
+def _apply(traj: Trajectory, result: dict[str, Any]) -> None:
+    traj.reward = float(result["reward"])
+    # Shards store details as floats: keep the numeric ones (bools count), drop the rest.
+    traj.reward_details = {k: float(v) for k, v in result.items()
+                           if k != "reward" and isinstance(v, int | float)}
+
+
 class RewardClient(Protocol):
     def score(self, trajs: list[Trajectory]) -> list[Trajectory]: ...
+
+    def submit(self, traj: Trajectory) -> Future[Trajectory]: ...
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed; the message names the function and the sample."""
 
 
 class LocalRewardClient:
@@ -34,11 +68,204 @@ class LocalRewardClient:
         self.function = function
         self.handler = get_handler(function)
 
+    def _score_one(self, traj: Trajectory) -> Trajectory:
+        t0 = time.perf_counter()
+        _apply(traj, self.handler(reward_event(traj), None))
+        traj.timings["reward_s"] = time.perf_counter() - t0
+        return traj
+
+    def submit(self, traj: Trajectory) -> Future[Trajectory]:
+        """Scores now (in the caller's thread) and returns a completed future."""
+        fut: Future[Trajectory] = Future()
+        try:
+            fut.set_result(self._score_one(traj))
+        except Exception as err:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(err)
+        return fut
+
     def score(self, trajs: list[Trajectory]) -> list[Trajectory]:
         for traj in trajs:
-            t0 = time.perf_counter()
-            result = self.handler(reward_event(traj), None)
-            traj.reward = float(result["reward"])
-            traj.reward_details = {k: float(v) for k, v in result.items() if k != "reward"}
-            traj.timings["reward_s"] = time.perf_counter() - t0
+            self._score_one(traj)
         return trajs
+
+
+class LambdaRewardClient:
+    """Invokes a Lambda function per episode (RequestResponse), at most `max_concurrency` at once.
+
+    Throttles (429), 5xx and transport timeouts are retried with jittered exponential backoff,
+    up to `max_retries` times. A handler error (`FunctionError` in the response) follows
+    `on_error`: "retry" (up to max_retries, then fail), "zero" (reward 0.0 and
+    reward_details["reward_error"] = 1), "fail" (raise RewardError at once).
+    """
+
+    def __init__(self, function_name: str, *, alias: str | None = None,
+                 endpoint_url: str | None = None, region: str = "us-east-1",
+                 max_concurrency: int = 32, timeout_s: float = 60.0, max_retries: int = 5,
+                 on_error: str = "retry", backoff_base_s: float = 0.05,
+                 backoff_max_s: float = 5.0, client: Any = None) -> None:
+        if on_error not in ("retry", "zero", "fail"):
+            raise ValueError(f"on_error must be retry, zero or fail, got {on_error!r}")
+        self.function_name, self.alias = function_name, alias
+        self.max_retries, self.on_error = max_retries, on_error
+        self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
+        self.client = client or make_boto3_client(endpoint_url, region, timeout_s,
+                                                  max_concurrency)
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="reward")
+        self._lock = threading.Lock()
+        self.stats = {"invocations": 0, "throttles": 0, "retries": 0, "function_errors": 0,
+                      "server_errors": 0}
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
+
+    def _backoff(self, attempt: int) -> float:
+        """Equal jitter: half the exponential step is fixed (progress), half random (spread)."""
+        step = min(self.backoff_max_s, self.backoff_base_s * (2 ** attempt))
+        return step / 2 + random.uniform(0.0, step / 2)
+
+    def invoke(self, event: dict[str, Any]) -> dict[str, Any]:
+        """One event -> the handler's result dict, applying the retry and error policies."""
+        from botocore.exceptions import (
+            ClientError,
+            ConnectionClosedError,
+            EndpointConnectionError,
+            ReadTimeoutError,
+        )
+
+        sample = event.get("sample_id", "?")
+        where = f"reward function {self.function_name!r}" + (
+            f" (qualifier {self.alias!r})" if self.alias else "")
+        kwargs: dict[str, Any] = {"FunctionName": self.function_name,
+                                  "InvocationType": "RequestResponse",
+                                  "Payload": json.dumps(event).encode()}
+        if self.alias:
+            kwargs["Qualifier"] = self.alias
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._count("retries")
+                time.sleep(self._backoff(attempt - 1))
+            self._count("invocations")
+            try:
+                resp = self.client.invoke(**kwargs)
+            except ClientError as err:
+                code = err.response.get("Error", {}).get("Code", "")
+                status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if code == "TooManyRequestsException" or status == 429:
+                    self._count("throttles")
+                elif code in RETRYABLE_CODES or status >= 500:
+                    self._count("server_errors")
+                else:  # 4xx: a configuration problem; retrying cannot help
+                    raise RewardError(f"{where} for sample {sample}: {err}") from err
+                last = f"{code or status}: {err}"
+                continue
+            except (ReadTimeoutError, ConnectionClosedError, EndpointConnectionError) as err:
+                last = f"{type(err).__name__}: {err}"
+                continue
+            body = resp["Payload"].read()
+            if resp.get("FunctionError"):
+                self._count("function_errors")
+                info = _error_text(body)
+                if self.on_error == "retry" and attempt < self.max_retries:
+                    last = info
+                    continue
+                if self.on_error == "zero":
+                    log.warning("%s failed for sample %s, scored 0: %s", where, sample, info)
+                    return {"reward": 0.0, "reward_error": 1.0}
+                raise RewardError(f"{where} failed for sample {sample}: {info}")
+            result = json.loads(body)
+            if not isinstance(result, dict) or "reward" not in result:
+                raise RewardError(f"{where} returned no 'reward' for sample {sample}: "
+                                  f"{body[:200]!r}")
+            return result
+        raise RewardError(f"{where} for sample {sample}: gave up after {self.max_retries + 1} "
+                          f"attempts; last error {last}")
+
+    def _score_one(self, traj: Trajectory, submitted: float) -> Trajectory:
+        t0 = time.perf_counter()
+        _apply(traj, self.invoke(reward_event(traj)))
+        traj.timings["reward_queue_s"] = t0 - submitted
+        traj.timings["reward_s"] = time.perf_counter() - t0
+        return traj
+
+    def submit(self, traj: Trajectory) -> Future[Trajectory]:
+        """Queue one episode for scoring now; the future resolves to the scored trajectory."""
+        return self._pool.submit(self._score_one, traj, time.perf_counter())
+
+    def submit_event(self, event: dict[str, Any]) -> Future[dict[str, Any]]:
+        """A raw event (any handler's schema) -> future of the handler's result dict."""
+        return self._pool.submit(self.invoke, event)
+
+    def score_async(self, trajs: list[Trajectory]) -> list[Future[Trajectory]]:
+        return [self.submit(t) for t in trajs]
+
+    def score(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        futures = self.score_async(trajs)
+        for fut in futures:
+            fut.result()  # the first failure raises (RewardError names function and sample)
+        return trajs
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> LambdaRewardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        err = json.loads(body)
+        return f"{err.get('errorType', 'Error')}: {err.get('errorMessage', '')}".strip()
+    except (ValueError, AttributeError):
+        return body[:300].decode("utf-8", errors="replace")
+
+
+def is_loopback(endpoint_url: str | None) -> bool:
+    from urllib.parse import urlparse
+
+    host = urlparse(endpoint_url).hostname if endpoint_url else None
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def make_boto3_client(endpoint_url: str | None, region: str, timeout_s: float,
+                      max_concurrency: int) -> Any:
+    """A Lambda client with our own retry policy (botocore's is off) and a socket pool as wide
+    as our concurrency. Requests to a loopback endpoint go unsigned (no credentials needed)."""
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    opts: dict[str, Any] = {
+        "read_timeout": timeout_s, "connect_timeout": min(timeout_s, 10.0),
+        "retries": {"total_max_attempts": 1, "mode": "standard"},
+        "max_pool_connections": max_concurrency, "tcp_keepalive": True,
+    }
+    session = boto3.session.Session()
+    if is_loopback(endpoint_url):  # the local endpoint checks no signatures: skip credentials
+        opts["signature_version"] = UNSIGNED
+    return session.client("lambda", region_name=region, endpoint_url=endpoint_url,
+                          config=Config(**opts))
+
+
+_CLIENTS: dict[str, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def make_reward_client(cfg: RewardConfig) -> LocalRewardClient | LambdaRewardClient:
+    """The client for a RewardConfig. Lambda clients are cached per config in this process, so
+    a long-lived worker reuses its connection pool and threads across iterations."""
+    if cfg.backend == "local":
+        return LocalRewardClient(cfg.function)
+    key = cfg.model_dump_json()
+    with _CLIENTS_LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = LambdaRewardClient(
+                cfg.lambda_name, alias=cfg.alias, endpoint_url=cfg.endpoint_url,
+                region=cfg.region, max_concurrency=cfg.max_concurrency, timeout_s=cfg.timeout_s,
+                max_retries=cfg.max_retries, on_error=cfg.on_error,
+                backoff_base_s=cfg.backoff_base_s, backoff_max_s=cfg.backoff_max_s)
+        return _CLIENTS[key]

@@ -17,7 +17,7 @@ def prefect_api(tmp_path_factory):
     yield server.api_url
     from prefect.logging.handlers import APILogHandler
 
-    APILogHandler.flush()  # ship buffered logs while the server is still up
+    APILogHandler().flush()  # ship buffered logs while the server is still up
     if old is None:
         os.environ.pop("PREFECT_API_URL", None)
     else:

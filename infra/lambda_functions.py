@@ -1,0 +1,177 @@
+"""Function registry of the local Lambda endpoint: versions, aliases, code, API shapes.
+
+Implements the state behind the control-plane calls `rollart lambda deploy` makes (CreateFunction,
+GetFunction, UpdateFunctionCode/Configuration, PublishVersion, Create/Get/UpdateAlias,
+Put/GetFunctionConcurrency) with the JSON shapes boto3 parses. Deployed zips are unpacked into the
+endpoint's temp dir and run from there, exactly as Lambda runs /var/task.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import math
+import uuid
+import zipfile
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from infra.lambda_runtime_worker import VersionSpec
+
+ACCOUNT = "000000000000"
+NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+class ApiError(Exception):
+    """An AWS-style error: HTTP status, error code (x-amzn-ErrorType), message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class FunctionSpec:
+    """A function registered by config (constructor or CLI) rather than by CreateFunction."""
+
+    name: str
+    handler: str  # "module.function" (awslambdaric), or a rollart reward name: "env_outcome"
+    concurrency: int = 8  # reserved concurrency: invocations in flight above it get 429
+    timeout_s: float = 30.0
+    memory_mb: int = 512
+    env: dict[str, str] = field(default_factory=dict)
+    code_dir: str | None = None  # None: run from this project's import path
+
+
+def resolve_handler(handler: str) -> str:
+    """Short rollart reward names ("env_outcome") -> the module.function awslambdaric imports."""
+    if "." in handler:
+        return handler
+    from rollart.rewards.registry import handler_path
+
+    return handler_path(handler)
+
+
+def split_name(raw: str, qualifier: str | None) -> tuple[str, str | None]:
+    """`name`, `name:alias`, or a (partial) ARN with an optional qualifier -> (name, qualifier)."""
+    parts = raw.split(":")
+    if raw.startswith("arn:"):
+        name, qual = parts[6] if len(parts) > 6 else "", parts[7] if len(parts) > 7 else None
+    elif len(parts) >= 3 and parts[1] == "function":  # 123456789012:function:name[:qual]
+        name, qual = parts[2], parts[3] if len(parts) > 3 else None
+    else:
+        name, qual = parts[0], parts[1] if len(parts) > 1 else None
+    return name, qualifier or qual
+
+
+def unpack_zip(data: bytes, dest: Path) -> None:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        for info in zf.infolist():
+            target = (dest / info.filename).resolve()
+            if not str(target).startswith(str(dest.resolve())):  # zip-slip
+                raise ApiError(400, "InvalidParameterValueException",
+                               f"zip entry escapes the code dir: {info.filename}")
+        zf.extractall(dest)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "+0000"
+
+
+@dataclass
+class Version:
+    spec: VersionSpec
+    code_sha256: str = ""
+    code_size: int = 0
+    runtime: str = "python3.11"
+    role: str = f"arn:aws:iam::{ACCOUNT}:role/rollart-local"
+    description: str = ""
+    last_modified: str = field(default_factory=_now)
+
+
+class Function:
+    def __init__(self, latest: Version, concurrency: int, region: str) -> None:
+        self.name = latest.spec.function
+        self.latest = latest
+        self.versions: dict[str, Version] = {}
+        self.aliases: dict[str, dict[str, Any]] = {}
+        self.concurrency = concurrency
+        self.reserved: int | None = None  # set by PutFunctionConcurrency
+        self.in_flight = 0
+        self.region = region
+
+    def arn(self, qualifier: str | None = None) -> str:
+        base = f"arn:aws:lambda:{self.region}:{ACCOUNT}:function:{self.name}"
+        return f"{base}:{qualifier}" if qualifier else base
+
+    def resolve(self, qualifier: str | None) -> Version:
+        if qualifier in (None, "", "$LATEST"):
+            return self.latest
+        if qualifier in self.versions:
+            return self.versions[qualifier]
+        if qualifier in self.aliases:
+            return self.resolve(self.aliases[qualifier]["FunctionVersion"])
+        raise ApiError(404, "ResourceNotFoundException",
+                       f"Function not found: {self.arn(qualifier)}")
+
+    def update_latest(self, **changes: Any) -> None:
+        """New code or configuration: a new revision, so new workers (old ones drain)."""
+        fields = VersionSpec.__annotations__
+        spec_changes = {k: changes.pop(k) for k in list(changes) if k in fields}
+        spec = replace(self.latest.spec, revision=uuid.uuid4().hex, **spec_changes)
+        self.latest = replace(self.latest, spec=spec, last_modified=_now(), **changes)
+
+    def publish(self, description: str = "") -> Version:
+        for v in self.versions.values():  # Lambda returns the existing version if unchanged
+            if v.code_sha256 == self.latest.code_sha256 and v.spec.handler == \
+                    self.latest.spec.handler and v.spec.env == self.latest.spec.env and \
+                    v.spec.timeout_s == self.latest.spec.timeout_s:
+                return v
+        number = str(len(self.versions) + 1)
+        spec = replace(self.latest.spec, version=number, revision=uuid.uuid4().hex)
+        self.versions[number] = replace(self.latest, spec=spec, description=description)
+        return self.versions[number]
+
+    def configuration(self, v: Version) -> dict[str, Any]:
+        s = v.spec
+        return {
+            "FunctionName": self.name,
+            "FunctionArn": self.arn(None if s.version == "$LATEST" else s.version),
+            "Runtime": v.runtime, "Role": v.role, "Handler": s.handler,
+            "CodeSize": v.code_size, "Description": v.description,
+            "Timeout": max(1, math.ceil(s.timeout_s)), "MemorySize": s.memory_mb,
+            "LastModified": v.last_modified, "CodeSha256": v.code_sha256,
+            "Version": s.version, "Environment": {"Variables": dict(s.env)},
+            "RevisionId": s.revision, "State": "Active", "LastUpdateStatus": "Successful",
+            "PackageType": "Zip", "Architectures": ["x86_64"],
+        }
+
+    def alias_json(self, name: str) -> dict[str, Any]:
+        a = self.aliases[name]
+        return {"AliasArn": self.arn(name), "Name": name, "FunctionVersion": a["FunctionVersion"],
+                "Description": a.get("Description", ""), "RevisionId": a["RevisionId"]}
+
+    def set_alias(self, name: str, version: str, description: str = "") -> dict[str, Any]:
+        if version != "$LATEST" and version not in self.versions:
+            raise ApiError(404, "ResourceNotFoundException",
+                           f"Function version {version} not found: {self.arn(version)}")
+        self.aliases[name] = {"FunctionVersion": version, "Description": description,
+                              "RevisionId": uuid.uuid4().hex}
+        return self.alias_json(name)
+
+    def limit(self) -> int:
+        return self.reserved if self.reserved is not None else self.concurrency
+
+
+def code_identity(data: bytes) -> tuple[str, int]:
+    """(CodeSha256, CodeSize) as Lambda reports them: base64 of the zip's SHA-256."""
+    return base64.b64encode(hashlib.sha256(data).digest()).decode(), len(data)
+
+
+def check_name(name: str) -> None:
+    if not name or len(name) > 64 or not set(name) <= NAME_CHARS:
+        raise ApiError(400, "InvalidParameterValueException",
+                       f"invalid function name {name!r}")

@@ -1,0 +1,148 @@
+"""Code-execution reward: run untrusted (model-written) Python against tests, safely.
+
+Every run is a fresh `python -I sandbox_runner.py` process in its own session and temp dir,
+with a clean environment (no AWS credentials or anything else of the caller's), stdin/stdout/
+stderr in files (so output is bounded by RLIMIT_FSIZE, never by the caller's memory), and a
+wall-clock limit enforced here by killing the whole process group. Inside, the runner sets
+rlimits, drops root, applies Landlock and an audit hook (see sandbox_runner.py). A run that loops
+forever, allocates without bound, writes outside its temp dir or tries to reach the caller ends
+as a scored failure with a flag, never as an exception in the handler.
+
+Two test styles:
+- `tests: [{"input": str, "output": str}, ...]`: one run per test, stdin -> stdout compared
+  line by line (trailing whitespace ignored); reward = fraction passed.
+- `test_code: str`: asserts appended to the solution, one run; reward 1.0 if it exits 0 and
+  printed the completion marker (so `sys.exit(0)` before the asserts does not pass).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rollart.rewards.registry import register_handler, response_of
+
+RUNNER = Path(__file__).with_name("sandbox_runner.py")
+MAX_TESTS = 64
+MAX_TIMEOUT_S = 30.0
+OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr a run may write (RLIMIT_FSIZE)
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_code(event: dict[str, Any]) -> str:
+    """`code` if given, else the last fenced code block of the response, else the response."""
+    if event.get("code") is not None:
+        return str(event["code"])
+    text = response_of(event)
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
+              memory_mb: int) -> dict[str, Any]:
+    """One sandboxed run. Returns exit code, bounded stdout/stderr, timed_out, wall seconds."""
+    base = Path(tempfile.mkdtemp(prefix="rollart-code-"))
+    try:
+        box, io_dir = base / "box", base / "io"
+        box.mkdir()
+        io_dir.mkdir(mode=0o700)
+        (box / "solution.py").write_text(code, encoding="utf-8")
+        if tests_py is not None:
+            (box / "tests.py").write_text(tests_py, encoding="utf-8")
+        if os.geteuid() == 0:  # the runner drops to nobody, which must own its sandbox
+            base.chmod(0o711)  # traverse only: io/ stays root's
+            for p in (box, *box.iterdir()):
+                os.chown(p, 65534, 65534)
+        (io_dir / "stdin").write_text(stdin, encoding="utf-8")
+        limits = {"memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1,
+                  "fsize_bytes": OUTPUT_LIMIT}
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box),
+               "TMPDIR": str(box), "PYTHONHASHSEED": "0"}
+        t0 = time.perf_counter()
+        with open(io_dir / "stdin", "rb") as fin, open(io_dir / "stdout", "wb") as fout, \
+                open(io_dir / "stderr", "wb") as ferr:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", str(RUNNER), str(box), json.dumps(limits)],
+                stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=env,
+                start_new_session=True, close_fds=True)
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group, not just the leader
+                proc.wait(timeout=5)
+        wall = time.perf_counter() - t0
+
+        def tail(name: str) -> str:
+            data = (io_dir / name).read_bytes()[:OUTPUT_LIMIT]
+            return data.decode("utf-8", errors="replace")
+
+        return {"returncode": proc.returncode, "stdout": tail("stdout"),
+                "stderr": tail("stderr"), "timed_out": timed_out, "wall_s": wall}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _same_output(got: str, want: str) -> bool:
+    norm = lambda s: [line.rstrip() for line in s.strip().splitlines()]  # noqa: E731
+    return norm(got) == norm(want)
+
+
+def _flags(run: dict[str, Any]) -> dict[str, float]:
+    err = run["stderr"]
+    return {
+        "timeout": float(run["timed_out"] or run["returncode"] == -signal.SIGXCPU),
+        "memory_error": float("MemoryError" in err),
+        "sandbox_violation": float("sandbox:" in err or "PermissionError" in err),
+        "syntax_error": float("SyntaxError" in err and "solution.py" in err),
+    }
+
+
+@register_handler("code_exec")
+def code_exec(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
+    """event: {"code" | "response" | "final_response": str, "tests": [{"input","output"}] |
+    "test_code": str, "timeout_s": float = 2 (per run), "memory_mb": int = 256,
+    "budget_s": float = 20 (all runs together; tests past it count as failed)}"""
+    code = extract_code(event)
+    timeout_s = min(max(float(event.get("timeout_s", 2.0)), 0.1), MAX_TIMEOUT_S)
+    memory_mb = min(max(int(event.get("memory_mb", 256)), 64), 4096)
+    budget_end = time.monotonic() + float(event.get("budget_s", 20.0))
+    flags = {"timeout": 0.0, "memory_error": 0.0, "sandbox_violation": 0.0,
+             "syntax_error": 0.0}
+    passed, total, wall = 0, 0, 0.0
+    if event.get("test_code") is not None:
+        total = 1
+        marker = secrets.token_hex(16)
+        run = _run_once(code, str(event["test_code"]), marker + "\n", timeout_s, memory_mb)
+        ok = run["returncode"] == 0 and marker in run["stdout"].splitlines()
+        passed, wall = int(ok), run["wall_s"]
+        flags = {k: max(v, _flags(run)[k]) for k, v in flags.items()}
+    else:
+        tests = list(event.get("tests", []))[:MAX_TESTS]
+        if not tests:
+            raise ValueError("code_exec reward needs `tests` (input/output pairs) or `test_code`")
+        total = len(tests)
+        for test in tests:
+            remaining = budget_end - time.monotonic()
+            if remaining <= 0:
+                flags["timeout"] = 1.0
+                break
+            run = _run_once(code, None, str(test.get("input", "")),
+                            min(timeout_s, remaining), memory_mb)
+            wall += run["wall_s"]
+            ok = run["returncode"] == 0 and _same_output(run["stdout"], str(test["output"]))
+            passed += int(ok)
+            flags = {k: max(v, _flags(run)[k]) for k, v in flags.items()}
+    return {"reward": passed / total, "passed": float(passed), "total": float(total),
+            "run_s": wall, **flags}

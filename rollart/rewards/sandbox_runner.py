@@ -1,0 +1,175 @@
+"""Child side of the code-execution reward: confine this process, then run untrusted code.
+
+Run as `python -I sandbox_runner.py BOX_DIR LIMITS_JSON` by `rollart.rewards.code_exec`, with
+stdin/stdout/stderr already redirected to files. Stdlib only. The order matters:
+
+1. read the solution (and test code) while we still may;
+2. resource limits, soft == hard so the code cannot raise them again: address space, CPU
+   seconds, file size, open files, no new processes or threads, no core dumps;
+3. as root: pre-import common stdlib modules, then become `nobody` (root could raise limits back,
+   and the interpreter may live where `nobody` cannot read, e.g. /root/.pyenv);
+4. Landlock (Linux >= 5.13, unprivileged): writes only beneath BOX_DIR, reads only beneath the
+   Python installation and system library dirs, no TCP, no signals to processes outside the
+   sandbox (so not to the caller), when the kernel's ABI has those;
+5. an audit hook that refuses the same things in Python (the only layer where Landlock is
+   missing): writes/reads outside the allowed roots, processes, signals, sockets, ctypes.
+
+Exit status: that of the code; 0 also requires the completion marker on stdout in asserts mode
+(a guard against `sys.exit(0)` before the tests ran, not against deliberate introspection).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+NOBODY = 65534
+PRELOAD = ("math", "cmath", "re", "json", "collections", "itertools", "functools", "heapq",
+           "bisect", "string", "random", "fractions", "decimal", "statistics", "typing",
+           "dataclasses", "operator", "copy", "array", "datetime", "textwrap", "unicodedata",
+           "io", "time", "struct", "hashlib", "enum", "abc", "numbers", "traceback")
+# Landlock constants (include/uapi/linux/landlock.h).
+SYS_CREATE, SYS_ADD_RULE, SYS_RESTRICT = 444, 445, 446
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | (1 << 14) | (1 << 15)
+NET_ALL, SCOPE_ALL = (1 << 0) | (1 << 1), (1 << 0) | (1 << 1)
+BLOCKED_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                  "os.fork", "os.forkpty", "os.kill", "os.killpg", "socket.__new__",
+                  "socket.connect", "socket.bind", "ctypes.dlopen", "ctypes.dlsym",
+                  "ctypes.cdata")
+PATH_EVENTS = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown",
+               "os.symlink", "os.link", "os.truncate", "os.utime", "shutil.rmtree")
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def set_limits(lim: dict) -> None:
+    mem = int(lim["memory_mb"]) * 1024 * 1024
+    cpu = int(lim["cpu_s"])
+    for res, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu),
+                     (resource.RLIMIT_FSIZE, int(lim["fsize_bytes"])),
+                     (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_NPROC, 0),
+                     (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(res, (val, val))
+
+
+def drop_root(box: str) -> None:
+    if os.geteuid() != 0:
+        return
+    for name in PRELOAD:  # the interpreter's files may be unreadable once we are nobody
+        __import__(name)
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def read_roots(box: str) -> list[str]:
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr", "/lib", "/lib64", "/bin",
+             box}
+    return sorted(os.path.realpath(r) for r in roots if os.path.isdir(r))
+
+
+def landlock(box: str) -> int:
+    """Returns the Landlock ABI applied (0: not available, the audit hook stands alone)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        abi = libc.syscall(SYS_CREATE, None, 0, 1)
+        if abi < 1:
+            return 0
+        fs = (1 << 13) - 1  # ABI 1: execute .. make_sym
+        fs |= (1 << 13) if abi >= 2 else 0  # refer
+        fs |= (1 << 14) if abi >= 3 else 0  # truncate
+        fs |= (1 << 15) if abi >= 5 else 0  # ioctl_dev
+        attr = _RulesetAttr(fs, NET_ALL if abi >= 4 else 0, SCOPE_ALL if abi >= 6 else 0)
+        rs = libc.syscall(SYS_CREATE, ctypes.byref(attr), ctypes.sizeof(attr), 0)
+        if rs < 0:
+            return 0
+        rules = [(r, FS_READ) for r in read_roots(box) if r != box] + [(box, fs)]
+        rules += [(d, FS_READ_FILE | FS_WRITE_FILE) for d in ("/dev/null", "/dev/zero")]
+        rules += [("/dev/urandom", FS_READ_FILE)]
+        for path, allowed in rules:
+            if not os.path.exists(path):
+                continue
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            if not os.path.isdir(path):
+                allowed &= FILE_RIGHTS & fs
+            rule = _PathBeneath(allowed & fs, fd)
+            libc.syscall(SYS_ADD_RULE, rs, 1, ctypes.byref(rule), 0)
+            os.close(fd)
+        if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(SYS_RESTRICT, rs, 0) != 0:
+            return 0
+        os.close(rs)
+        return abi
+    except (OSError, AttributeError):
+        return 0
+
+
+def audit_hook(box: str):
+    roots = tuple(read_roots(box)) + ("/dev/null", "/dev/zero", "/dev/urandom")
+    box_real = os.path.realpath(box)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def under(path: object, allowed: tuple[str, ...]) -> bool:
+        if isinstance(path, int) or path is None:
+            return True
+        real = os.path.realpath(os.fsdecode(path))
+        return any(real == r or real.startswith(r.rstrip("/") + "/") for r in allowed)
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            writing = any(c in str(mode or "") for c in "wax+") or bool((flags or 0) & write_flags)
+            if not under(path, (box_real,) if writing else roots):
+                kind = "write" if writing else "read"
+                raise PermissionError(f"sandbox: {kind} outside the sandbox: {path}")
+        elif event in PATH_EVENTS:
+            for p in args[:2]:
+                if isinstance(p, str | bytes | os.PathLike) and not under(p, (box_real,)):
+                    raise PermissionError(f"sandbox: {event} outside the sandbox: {p}")
+        elif event.startswith(BLOCKED_EVENTS):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+
+    return hook
+
+
+def main() -> None:
+    box, lim = sys.argv[1], json.loads(sys.argv[2])
+    os.chdir(box)
+    with open(os.path.join(box, "solution.py"), encoding="utf-8") as f:
+        source = f.read()
+    tests, marker = "", ""
+    if os.path.exists(os.path.join(box, "tests.py")):
+        with open(os.path.join(box, "tests.py"), encoding="utf-8") as f:
+            tests = f.read()
+        marker = sys.stdin.readline().strip()  # the parent's nonce, only in asserts mode
+    set_limits(lim)
+    drop_root(box)
+    landlock(box)
+    sys.addaudithook(audit_hook(box))
+    for mod in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.")]:
+        del sys.modules[mod]  # a re-import needs dlopen, which the hook refuses
+    sys.argv = ["solution.py"]
+    sys.path[:] = [p for p in sys.path if p.startswith(tuple(read_roots(box)))]
+    scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    code = compile(source, "solution.py", "exec")
+    source = ""
+    exec(code, scope)
+    if tests:
+        exec(compile(tests, "tests.py", "exec"), scope)
+        sys.stdout.write("\n" + marker + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
