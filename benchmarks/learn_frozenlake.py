@@ -10,6 +10,7 @@ Writes results/learn_frozenlake.json and prints one summary line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,10 +45,13 @@ def main() -> None:
     run_id = f"bench-{int(time.time())}"
     t0 = time.perf_counter()
     if args.mode == "local":
+        from infra.lambda_endpoint import with_embedded_endpoint
         from rollart.local_loop import run_local
 
-        out = run_local(cfg, run_id, on_iteration=lambda r: print(format_row(r), flush=True),
-                        stop_when=lambda evals: len(evals) >= 3 and min(evals[-3:]) >= args.target)
+        with contextlib.ExitStack() as stack:
+            cfg = with_embedded_endpoint(cfg, stack)
+            out = run_local(cfg, run_id, on_iteration=lambda r: print(format_row(r), flush=True),
+                            stop_when=lambda ev: len(ev) >= 3 and min(ev[-3:]) >= args.target)
         curve = out["curve"]
     else:
         from rollart.cli import _ensure_prefect_api

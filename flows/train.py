@@ -27,6 +27,7 @@ from prefect_dask import DaskTaskRunner
 
 import tasks.stages as t
 from infra.dask_cluster import HardwareClassCluster, worker_classes
+from infra.lambda_endpoint import with_embedded_endpoint
 from rollart import progress
 from rollart.config import RunConfig, config_from_dict, load_config
 from rollart.metrics import summary_row
@@ -67,6 +68,9 @@ def train(
         from prefect.runtime import flow_run
 
         progress.note(f"Prefect flow run: {flow_run.ui_url}")
+        cfg = with_embedded_endpoint(cfg, stack)
+        if cfg.reward.endpoint_url and cfg.reward.embedded_endpoint:
+            progress.note(f"Rewards:         local Lambda endpoint {cfg.reward.endpoint_url}")
         runner = DaskTaskRunner(address=address)
         return iterations.with_options(task_runner=runner)(
             cfg.model_dump(mode="json"), run_id, address

@@ -24,6 +24,7 @@ Metrics: `LocalLambda.metrics()` or `GET /local/metrics`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -296,6 +297,18 @@ class _ApiHandler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._handle("DELETE")
+
+
+def with_embedded_endpoint(cfg: Any, stack: contextlib.ExitStack) -> Any:
+    """Start the local endpoint for a run whose rewards go to Lambda with no endpoint given
+    (`reward.embedded_endpoint`); returns the config pointed at it. Stopped with `stack`."""
+    r = cfg.reward
+    if r.backend != "lambda" or r.endpoint_url is not None or not r.embedded_endpoint:
+        return cfg
+    spec = FunctionSpec(r.lambda_name, r.function, concurrency=r.max_concurrency,
+                        timeout_s=r.timeout_s)
+    lam = stack.enter_context(LocalLambda([spec], idle_timeout_s=30))
+    return cfg.model_copy(update={"reward": r.model_copy(update={"endpoint_url": lam.url})})
 
 
 def main(argv: list[str] | None = None) -> None:

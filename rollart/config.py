@@ -162,6 +162,9 @@ class RewardConfig(_Strict):
     finishes. Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID/... or a profile."""
 
     backend: Literal["local", "lambda"] = "local"
+    # backend "lambda" with no endpoint_url: the run starts the local Lambda endpoint (loopback,
+    # awslambdaric workers, scale to zero) and registers `function` under the Lambda name.
+    embedded_endpoint: bool = True
     function: str = "env_outcome"  # handler name (registry) or dotted module.function path
     function_name: str | None = None  # Lambda function name or ARN; None: `function`
     alias: str | None = None  # Lambda qualifier: alias name or version number
