@@ -187,7 +187,9 @@ class RewardConfig(_Strict):
         lambda_name = r"^(arn:aws[a-zA-Z-]*:lambda:[a-z0-9-]+:\d{12}:function:)?[\w-]{1,64}$"
         qualifier = r"^(\$LATEST|[0-9]+|[\w-]*[a-zA-Z_-][\w-]*)$"
 
-        if self.backend == "local" and not known_handler(self.function):
+        runs_here = self.backend == "local" or (
+            self.embedded_endpoint and self.endpoint_url is None)  # our endpoint runs it
+        if runs_here and not known_handler(self.function):
             from rollart.rewards.registry import HANDLERS
 
             raise ValueError(
