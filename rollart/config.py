@@ -113,6 +113,12 @@ class AlgoConfig(_Strict):
     entropy_coef: float = Field(0.05, ge=0.0)
     std_eps: float = Field(1e-6, gt=0.0)
     normalize_std: bool = True  # False gives Dr.GRPO
+    # Behaviour correction against the engine's log-probs (see rollart.algo.offpolicy); the PPO
+    # ratio is always against the policy at update start (decoupled PPO).
+    off_policy: Literal["none", "tis", "tis_seq", "icepop"] = "tis"
+    is_cap: float = Field(2.0, gt=0.0)  # truncation C of the importance weight
+    icepop_low: float = Field(0.5, gt=0.0)
+    icepop_high: float = Field(2.0, gt=0.0)
 
 
 class TrainConfig(_Strict):

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from rollart.algo import compute_policy_loss, entropy_from_logits, masked_mean, token_logprobs
+from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.config import AlgoConfig, TrainConfig
 from rollart.types import Trajectory
 
@@ -108,11 +109,17 @@ class Trainer:
         if self.ref_model is not None:
             ref = torch.cat([self._logprobs(self.ref_model, mb) for mb in self._micro(batch)])
         metrics: dict[str, float] = {
-            # |trainer - engine| log-prob gap on the same weights: should be ~0 on-policy.
+            # |trainer - engine| log-prob gap: ~0 on-policy with synced weights, grows with
+            # staleness.
             "train/logprob_mismatch": masked_mean(
                 (prox - batch.behaviour_logprobs).abs(), batch.loss_mask
             ).item(),
+            **staleness_metrics([x.token_versions for x in trajs], self.version),
         }
+        is_w, is_m = behaviour_weights(prox, batch.behaviour_logprobs, batch.loss_mask,
+                                       algo.off_policy, algo.is_cap, algo.icepop_low,
+                                       algo.icepop_high)
+        metrics.update(is_m)
         sums: dict[str, float] = {}
         n_seq = float((batch.loss_mask.sum(1) > 0).sum())
         n_tok = float(batch.loss_mask.sum())
@@ -130,6 +137,7 @@ class Trainer:
                     clip_low=algo.clip_low, clip_high=algo.clip_high,
                     ref_logprobs=ref[sl] if ref is not None else None, kl_coef=algo.kl_coef,
                     entropy=ent, entropy_coef=algo.entropy_coef,
+                    is_weights=is_w[sl] if is_w is not None else None,
                 )
                 # Weight micro-batches so the sum equals the full-batch aggregate.
                 if algo.loss_agg == "token_mean":
