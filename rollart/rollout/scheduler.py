@@ -1,0 +1,184 @@
+"""Rollout scheduler: a pure state machine, events in, decisions out (no Dask, no clock).
+
+It decides which groups to start, which episodes to keep, cancel or re-issue, and which complete
+groups feed each update, under bounded staleness:
+
+    an episode begun under policy version v may feed update u only if u - v <= max_staleness
+
+(update u is the one that turns version u into u + 1; max_staleness = 0 is the synchronous
+baseline). Admission control keeps at most (max_staleness + 1) batches of groups in flight, so
+work is not started that would be stale before it could be used.
+
+Groups launch `group_size + redundancy` episodes and keep the first `group_size` to finish; the
+rest are cancelled. A failed episode is re-issued (same group, same seed) up to `max_retries`
+times; a group that can no longer reach `group_size` finishers is dropped. The same object drives
+the real rollout service and the simulator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Start:
+    episode_id: str
+    group_id: str
+    task: str
+    seed: int
+    version: int  # policy version the episode starts under
+
+
+@dataclass(frozen=True)
+class Cancel:
+    episode_id: str
+    reason: str  # "redundant" (group already complete) or "stale" / "group_dropped"
+
+
+@dataclass
+class GroupState:
+    group_id: str
+    task: str
+    seed: int
+    start_version: int
+    running: set[str] = field(default_factory=set)
+    finished: list[str] = field(default_factory=list)  # in finishing order, at most group_size
+    failures: int = 0
+    launched: int = 0
+
+    def complete(self, size: int) -> bool:
+        return len(self.finished) >= size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    group_size: int
+    batch_groups: int  # complete groups per update
+    max_staleness: int = 0
+    redundancy: int = 0
+    max_retries: int = 2
+    task_shares: tuple[tuple[str, float], ...] = (("default", 1.0),)
+
+
+class RolloutScheduler:
+    def __init__(self, cfg: SchedulerConfig, version: int = 0, seed_of=None) -> None:
+        self.cfg = cfg
+        self.version = version  # latest policy version the engines serve
+        self.groups: dict[str, GroupState] = {}
+        self.complete: list[str] = []  # complete, unconsumed group ids, in completion order
+        self.episode_group: dict[str, str] = {}
+        self.counters: Counter[str] = Counter()
+        self._next_group = 0
+        self._task_counts: Counter[str] = Counter()
+        self._seed_of = seed_of or (lambda task, index: index)
+
+    # ---- admission -----------------------------------------------------------------------
+    def _capacity(self) -> int:
+        """Groups that may exist (in flight or complete, unconsumed): (alpha + 1) batches."""
+        return (self.cfg.max_staleness + 1) * self.cfg.batch_groups
+
+    def _next_task(self) -> str:
+        """Deficit round robin over task shares: the task furthest below its share goes next."""
+        total = sum(self._task_counts.values()) + 1
+        weight = sum(s for _, s in self.cfg.task_shares)
+        return max(self.cfg.task_shares,
+                   key=lambda ts: ts[1] / weight * total - self._task_counts[ts[0]])[0]
+
+    def fill(self) -> list[Start]:
+        """Start new groups up to capacity under the current version."""
+        out: list[Start] = []
+        while len(self.groups) < self._capacity():
+            task = self._next_task()
+            gid = f"g{self._next_group}"
+            seed = self._seed_of(task, self._next_group)
+            self._next_group += 1
+            self._task_counts[task] += 1
+            g = GroupState(gid, task, seed, self.version)
+            self.groups[gid] = g
+            for _ in range(self.cfg.group_size + self.cfg.redundancy):
+                out.append(self._launch(g))
+            self.counters["groups_started"] += 1
+        return out
+
+    def _launch(self, g: GroupState) -> Start:
+        eid = f"{g.group_id}/e{g.launched}"
+        g.launched += 1
+        g.running.add(eid)
+        self.episode_group[eid] = g.group_id
+        self.counters["episodes_started"] += 1
+        return Start(eid, g.group_id, g.task, g.seed, g.start_version)
+
+    # ---- episode events ------------------------------------------------------------------
+    def on_finished(self, episode_id: str) -> list[Cancel]:
+        g = self._group_of(episode_id)
+        if g is None or episode_id not in g.running:
+            self.counters["late_results"] += 1  # cancelled or dropped earlier: ignore
+            return []
+        g.running.discard(episode_id)
+        if g.complete(self.cfg.group_size):
+            return []
+        g.finished.append(episode_id)
+        self.counters["episodes_finished"] += 1
+        if not g.complete(self.cfg.group_size):
+            return []
+        self.complete.append(g.group_id)
+        cancels = [Cancel(e, "redundant") for e in sorted(g.running)]
+        self.counters["cancelled_redundant"] += len(cancels)
+        for e in cancels:
+            g.running.discard(e.episode_id)
+        return cancels
+
+    def on_failed(self, episode_id: str, timeout: bool = False) -> tuple[list[Start], list[Cancel]]:
+        """An episode raised, hung past its timeout, or lost its worker: re-issue or give up."""
+        g = self._group_of(episode_id)
+        if g is None or episode_id not in g.running:
+            return [], []
+        g.running.discard(episode_id)
+        g.failures += 1
+        self.counters["timeouts" if timeout else "failed"] += 1
+        if g.complete(self.cfg.group_size):
+            return [], []
+        # Retry budget per group: max_retries re-issues per member slot.
+        if g.failures <= self.cfg.max_retries * self.cfg.group_size:
+            still_needed = self.cfg.group_size - len(g.finished)
+            if len(g.running) < still_needed:
+                self.counters["retried"] += 1
+                return [self._launch(g)], []
+            return [], []
+        return [], self._drop(g, "group_dropped")
+
+    # ---- versions and batches -----------------------------------------------------------
+    def on_version(self, version: int) -> list[Cancel]:
+        """Engines now serve `version`; drop groups that can no longer feed any future update."""
+        self.version = version
+        return self._drop_stale(update=version)
+
+    def take_batch(self, update: int) -> dict[str, list[str]] | None:
+        """{group id: kept episode ids} for update `update` (oldest complete groups first), or
+        None if not enough are complete yet. Stale groups are dropped and counted first."""
+        self._drop_stale(update)
+        if len(self.complete) < self.cfg.batch_groups:
+            return None
+        batch, self.complete = (self.complete[: self.cfg.batch_groups],
+                                self.complete[self.cfg.batch_groups:])
+        self.counters["groups_consumed"] += len(batch)
+        return {gid: self.groups.pop(gid).finished for gid in batch}
+
+    def _drop_stale(self, update: int) -> list[Cancel]:
+        cancels: list[Cancel] = []
+        for g in list(self.groups.values()):
+            if update - g.start_version > self.cfg.max_staleness:
+                self.counters["dropped_stale_groups"] += 1
+                cancels += self._drop(g, "stale")
+        return cancels
+
+    def _drop(self, g: GroupState, reason: str) -> list[Cancel]:
+        self.groups.pop(g.group_id, None)
+        if g.group_id in self.complete:
+            self.complete.remove(g.group_id)
+        self.counters[f"dropped_{reason}_episodes"] += len(g.finished)
+        return [Cancel(e, reason) for e in sorted(g.running)]
+
+    def _group_of(self, episode_id: str) -> GroupState | None:
+        return self.groups.get(self.episode_group.get(episode_id, ""))

@@ -1,0 +1,87 @@
+"""The pure rollout scheduler: staleness bound, redundancy, completion, re-issue after failure."""
+
+from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
+
+
+def _finish_group(s: RolloutScheduler, starts: list[Start], gid: str, n: int) -> list[Cancel]:
+    out: list[Cancel] = []
+    for st in [x for x in starts if x.group_id == gid][:n]:
+        out += s.on_finished(st.episode_id)
+    return out
+
+
+def test_synchronous_baseline_alpha0_admits_one_batch():
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=2, max_staleness=0))
+    starts = s.fill()
+    assert len(starts) == 4 and {x.version for x in starts} == {0}
+    assert s.fill() == []  # capacity: (0 + 1) * 2 groups
+    _finish_group(s, starts, "g0", 2)
+    assert s.take_batch(0) is None  # one of two groups complete
+    _finish_group(s, starts, "g1", 2)
+    batch = s.take_batch(0)
+    assert batch == {"g0": ["g0/e0", "g0/e1"], "g1": ["g1/e0", "g1/e1"]}
+    s.on_version(1)
+    assert {x.version for x in s.fill()} == {1}
+
+
+def test_staleness_bound_drops_exactly_past_alpha():
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_staleness=1))
+    first = s.fill()  # g0, g1 at version 0 (capacity 2 groups)
+    assert sorted({x.group_id for x in first}) == ["g0", "g1"]
+    _finish_group(s, first, "g0", 2)
+    assert list(s.take_batch(0)) == ["g0"]
+    assert s.on_version(1) == []  # g1 (v0) may still feed update 1: 1 - 0 <= 1
+    second = s.fill()
+    assert [x.group_id for x in second] == ["g2", "g2"] and second[0].version == 1
+    _finish_group(s, second, "g2", 2)
+    assert list(s.take_batch(1)) == ["g2"]  # g1 is incomplete; g2 is ready
+    cancels = s.on_version(2)  # update 2 - version 0 = 2 > 1: g1 is stale now
+    assert {c.episode_id for c in cancels} == {"g1/e0", "g1/e1"}
+    assert {c.reason for c in cancels} == {"stale"}
+    assert s.counters["dropped_stale_groups"] == 1
+    # A result that arrives for a dropped episode is ignored, not counted twice.
+    assert s.on_finished("g1/e0") == [] and s.counters["late_results"] == 1
+
+
+def test_complete_group_that_went_stale_is_dropped_at_take_batch():
+    s = RolloutScheduler(SchedulerConfig(group_size=1, batch_groups=2, max_staleness=0))
+    starts = s.fill()
+    _finish_group(s, starts, "g0", 1)
+    s.version = 1  # engines moved on without this group being consumed
+    assert s.take_batch(1) is None
+    assert s.counters["dropped_stale_groups"] == 2 and s.complete == []
+
+
+def test_redundancy_keeps_first_finishers_and_cancels_the_rest():
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, redundancy=2))
+    starts = s.fill()
+    assert len(starts) == 4  # group_size + redundancy
+    assert s.on_finished("g0/e3") == []
+    cancels = s.on_finished("g0/e1")
+    assert sorted(c.episode_id for c in cancels) == ["g0/e0", "g0/e2"]
+    assert {c.reason for c in cancels} == {"redundant"}
+    assert s.take_batch(0) == {"g0": ["g0/e3", "g0/e1"]}  # finishing order
+    assert s.counters["cancelled_redundant"] == 2
+
+
+def test_failure_reissues_same_group_and_seed_then_gives_up():
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_retries=1),
+                         seed_of=lambda task, i: 100 + i)
+    starts = s.fill()
+    assert {x.seed for x in starts} == {100}
+    again, cancels = s.on_failed("g0/e0")
+    assert cancels == [] and len(again) == 1
+    assert (again[0].group_id, again[0].seed, again[0].episode_id) == ("g0", 100, "g0/e2")
+    assert s.counters["failed"] == 1 and s.counters["retried"] == 1
+    s.on_failed("g0/e2", timeout=True)  # failure 2 of a budget of 1 * group_size
+    _, cancels = s.on_failed("g0/e3")  # failure 3: budget exceeded, group dropped
+    assert s.counters["timeouts"] == 1
+    assert "g0" not in s.groups and [c.reason for c in cancels] == ["group_dropped"]
+    assert [x.group_id for x in s.fill()] == ["g1", "g1"]  # capacity freed
+
+
+def test_task_shares_split_groups():
+    cfg = SchedulerConfig(group_size=1, batch_groups=8, task_shares=(("a", 3.0), ("b", 1.0)))
+    starts = RolloutScheduler(cfg).fill()
+    tasks = [x.task for x in starts]
+    assert tasks.count("a") == 6 and tasks.count("b") == 2
