@@ -33,6 +33,7 @@ bench: venv
 	$(BIN)/python benchmarks/learn_frozenlake.py
 
 down:
+	-test -x $(BIN)/rollart && $(BIN)/rollart down
 	-test -f .rollart/prefect.pid && kill -- -$$(cat .rollart/prefect.pid); rm -f .rollart/prefect.pid
 
 clean: down

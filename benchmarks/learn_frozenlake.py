@@ -54,7 +54,7 @@ def main() -> None:
                             stop_when=lambda ev: len(ev) >= 3 and min(ev[-3:]) >= args.target)
         curve = out["curve"]
     else:
-        from rollart.cli import _ensure_prefect_api
+        from cli.main import _ensure_prefect_api
 
         _ensure_prefect_api()
         from flows.train import train

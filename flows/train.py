@@ -17,31 +17,27 @@ from typing import Any
 import dask
 from distributed import Client
 from prefect import flow, get_run_logger
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.states import Failed
 from prefect_dask import DaskTaskRunner
 
 import tasks.stages as t
+from blocks import resolve_blocks
+from flows.artifacts import RunArtifacts
 from infra.dask_cluster import HardwareClassCluster, worker_classes
 from infra.lambda_endpoint import with_embedded_endpoint
 from rollart import progress
+from rollart import stages as stage_fns
 from rollart.config import RunConfig, config_from_dict, load_config
 from rollart.metrics import summary_row
 from rollart.services import EngineService, TrainerService
+from rollart.storage.background import flush_all
+from rollart.storage.resume import ResumeError, describe, start_run
+from rollart.storage.s3 import StorageError
 from rollart.storage.store import RunStore
 
 
 def new_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _artifact_key(run_id: str, what: str) -> str:
-    key = "".join(c if c.isalnum() else "-" for c in f"{run_id}-{what}".lower())
-    return key.strip("-")[:100]
 
 
 @flow(name="train")
@@ -50,12 +46,33 @@ def train(
     overrides: list[str] | None = None,
     scheduler_address: str | None = None,
     run_id: str | None = None,
+    storage_block: str | None = None,
+    rewards_block: str | None = None,
+    cluster_block: str | None = None,
+    model_block: str | None = None,
+    resume: str | None = None,
 ) -> dict[str, Any]:
-    """Train a policy. `scheduler_address` uses an existing Dask cluster instead of starting one."""
-    cfg = load_config(config, overrides or [])  # invalid config fails before any cluster starts
-    run_id = run_id or new_run_id(cfg.name)
-    address = scheduler_address or cfg.cluster.address
+    """Train a policy. `scheduler_address` uses an existing Dask cluster instead of starting one.
+    `*_block` name Prefect blocks (blocks/) whose settings apply between the config file and
+    `overrides`; their secrets go to the environment, never into the config or the logs.
+    `resume` (a run id) continues that run from its latest complete checkpoint."""
+    blocks = resolve_blocks(storage_block, rewards_block, cluster_block, model_block)
+    # invalid config fails before any cluster starts
+    cfg = load_config(config, blocks.overrides + list(overrides or []))
+    blocks.apply_environment()
+    if resume and run_id and run_id != resume:
+        return Failed(message=f"run_id {run_id!r} and resume {resume!r} differ")
+    run_id = resume or run_id or new_run_id(cfg.name)
     logger = get_run_logger()
+    try:  # store reachable with these credentials; resume point; before any cluster starts
+        cfg, point = start_run(cfg, blocks.overrides + list(overrides or []), run_id,
+                               resume=bool(resume))
+    except (StorageError, ResumeError) as err:
+        return Failed(message=str(err))
+    if point is not None:
+        logger.info(describe(point))
+        progress.note(describe(point).capitalize())
+    address = scheduler_address or cfg.cluster.address
     with contextlib.ExitStack() as stack:
         if address is None:
             cluster = stack.enter_context(HardwareClassCluster(
@@ -73,7 +90,7 @@ def train(
             progress.note(f"Rewards:         local Lambda endpoint {cfg.reward.endpoint_url}")
         runner = DaskTaskRunner(address=address)
         return iterations.with_options(task_runner=runner)(
-            cfg.model_dump(mode="json"), run_id, address
+            cfg.model_dump(mode="json"), run_id, address, point.step if point else None
         )
 
 
@@ -89,11 +106,12 @@ def _check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
 
 
 @flow(name="iterations")
-def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str, Any]:
+def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
+               resume_step: int | None = None) -> dict[str, Any]:
     cfg = config_from_dict(cfg_dict)
     logger = get_run_logger()
     root = cfg.storage.root
-    store = RunStore(root, run_id)
+    store = RunStore.from_config(cfg.storage, run_id)
     stages = cfg.cluster.stages
 
     def on(stage: str):
@@ -120,17 +138,22 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str,
         placed("trainer_service", trainer.where().result())
         for e in engines:
             placed("engine_service", e.where().result())
+        start = 0
+        if resume_step is not None:  # trainer state, ledger, engine RNG; weights synced below
+            restored = stage_fns.restore(trainer, engines, resume_step)
+            start = restored["next_iteration"]
+            logger.info("Restored checkpoint %d: policy version %d, next iteration %d, ledger %s",
+                        resume_step, restored["version"], start, restored["ledger"])
         with on("engine"):
             placed("sync_weights", t.sync_weights.submit(trainer, engines).result())
         logger.info("Run %s: store %s; %d engine replica(s)", run_id, store.url, len(engines))
         progress.note(f"Checkpoints and metrics under {store.url}")
 
-        progress_id = create_progress_artifact(
-            0.0, key=_artifact_key(run_id, "progress"), description=f"Training progress {run_id}")
+        artifacts = RunArtifacts(run_id, cfg.iterations)
         rows: list[dict[str, Any]] = []
         last_ckpt: dict[str, Any] | None = None
         final: dict[str, float] = {}
-        for it in range(cfg.iterations):
+        for it in range(start, cfg.iterations):
             t0 = time.perf_counter()
             with on("env"):
                 collected = t.collect.submit(cfg_dict, root, run_id, it, engines)
@@ -144,7 +167,7 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str,
             ckpt = None
             if step % cfg.storage.save_every == 0 or step == cfg.iterations:
                 with on("trainer"):
-                    ckpt = t.checkpoint.submit(trainer, step, {"iteration": it},
+                    ckpt = t.checkpoint.submit(trainer, step, {"iteration": it}, engines,
                                                wait_for=[updated])
             ev = None
             if cfg.eval.episodes and (
@@ -160,7 +183,9 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str,
             m.update(placed("sync_weights", synced.result())["metrics"])
             if ckpt is not None:
                 last_ckpt = placed("checkpoint", ckpt.result())
-                m["perf/checkpoint_s"] = last_ckpt["save_s"]
+                m["perf/checkpoint_s"] = last_ckpt["save_s"]  # blocking part; upload: below
+                for up in last_ckpt.get("uploaded", []):  # background uploads finished since
+                    m["perf/checkpoint_upload_s"] = up["result"]["upload_s"]
             if ev is not None:
                 m.update(placed("evaluate", ev.result())["metrics"])
             m["perf/iteration_s"] = time.perf_counter() - t0
@@ -170,16 +195,15 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str,
             final = m
             logger.info(progress.format_row(row))
             progress.report(row)
-            update_progress_artifact(progress_id, 100.0 * step / cfg.iterations)
+            artifacts.iteration(step, row, m, last_ckpt if ckpt is not None else None)
 
-        create_table_artifact(rows, key=_artifact_key(run_id, "metrics"),
-                              description=f"Per-iteration metrics of {run_id}")
+        # The final checkpoint (and every background upload) is durable before the run ends.
+        uploads = trainer.flush_checkpoints().result()
+        shards = client.run(flush_all)
+        logger.info("Uploads finished: %d checkpoint/weight upload(s), %d shard(s)",
+                    len(uploads), sum(shards.values()))
+        artifacts.finish(store)
         ckpt_path = last_ckpt["path"] if last_ckpt else None
-        create_markdown_artifact(
-            f"# {run_id}\n\n- store: `{store.url}`\n- latest checkpoint: `{ckpt_path}`\n"
-            f"- metrics: `{store.path('metrics.jsonl')}`\n",
-            key=_artifact_key(run_id, "checkpoints"), description="Checkpoints and metrics",
-        )
         fingerprints = {"trainer": trainer.fingerprint().result(),
                         "engine": engines[0].fingerprint().result()}
     return {
@@ -189,4 +213,5 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str) -> dict[str,
         "final_metrics": final,
         "placement": placement,
         "fingerprints": fingerprints,
+        "resumed_from": resume_step,
     }

@@ -77,6 +77,8 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
+        # The UI otherwise calls the default port's API, i.e. another server.
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
     }
     env.pop("PREFECT_API_URL", None)
     log = open(state / "prefect-server.log", "ab")

@@ -223,10 +223,65 @@ class RewardConfig(_Strict):
 
 
 class StorageConfig(_Strict):
+    """Where the run's store lives and how it is reached. Same code for a local path, `file://`
+    and `s3://bucket/prefix` (AWS S3, SeaweedFS, MinIO, any S3-compatible endpoint).
+
+    Credentials never live here: they come from the environment (AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY, or a profile) or from a Prefect Secret block named by
+    `credentials_block` whose value is {"aws_access_key_id": ..., "aws_secret_access_key": ...}.
+    """
+
     root: str = "artifacts"  # local path or fsspec URL (file://..., s3://bucket/prefix)
     save_every: int = Field(5, gt=0)  # checkpoint every N iterations (and after the last)
-    keep_last: int = Field(2, gt=0)
-    shards: bool = True  # write trajectory shards (Parquet)
+    keep_last: int = Field(2, gt=0)  # retention: complete checkpoints kept
+    shards: bool = True  # write trajectory shards (Parquet), off the critical path
+    background_upload: bool = True  # upload checkpoints in the background (False: block)
+    # S3 only. endpoint_url None: AWS (or AWS_ENDPOINT_URL_S3 from the environment).
+    endpoint_url: str | None = None
+    region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / profile, else us-east-1
+    profile: str | None = None  # AWS shared-credentials profile name
+    credentials_block: str | None = None  # Prefect Secret block name (the name, never the key)
+    create_bucket: bool = False  # create the bucket at start when it does not exist
+    retry_timeout_s: float = Field(120.0, gt=0.0)  # keep retrying transient errors this long
+    # Weight versions in the store (weights/v{n}/): publish every N versions (0: never) in the
+    # background; `sync_via_store` makes engines pull each version from the store instead of
+    # the direct trainer -> engine transfer (engines on another cluster).
+    weights_every: int = Field(0, ge=0)
+    weights_keep_last: int = Field(2, gt=0)
+    sync_via_store: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> StorageConfig:
+        import re
+
+        root = self.root.strip()
+        if not root:
+            raise ValueError("storage.root must be a directory or a URL such as s3://bucket/prefix")
+        scheme = root.split("://", 1)[0].lower() if "://" in root else "file"
+        if scheme in ("s3", "s3a"):
+            bucket = root.split("://", 1)[1].split("/", 1)[0]
+            if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+                raise ValueError(
+                    f"storage.root {root!r}: S3 bucket name {bucket!r} is not valid (3-63 "
+                    "lowercase letters, digits, '.' and '-')"
+                )
+        elif self.endpoint_url or self.region or self.profile or self.credentials_block:
+            raise ValueError(
+                "storage.endpoint_url/region/profile/credentials_block apply to s3:// roots "
+                f"only, but storage.root is {root!r}"
+            )
+        if self.endpoint_url is not None and not re.match(r"^https?://[^/\s]+/?$",
+                                                          self.endpoint_url):
+            raise ValueError("storage.endpoint_url must look like http(s)://host[:port] (or null)")
+        if self.credentials_block is not None and not re.fullmatch(
+                r"[a-z0-9][a-z0-9-]*", self.credentials_block):
+            raise ValueError(
+                "storage.credentials_block is the *name* of a Prefect Secret block (lowercase "
+                "letters, digits and '-'), never the secret itself"
+            )
+        if self.credentials_block and self.profile:
+            raise ValueError("set storage.credentials_block or storage.profile, not both")
+        return self
 
 
 class EvalConfig(_Strict):

@@ -14,25 +14,32 @@ from rollart import stages
 from rollart.config import RunConfig
 from rollart.metrics import summary_row
 from rollart.services import EngineService, TrainerService
+from rollart.storage.background import flush_all
+from rollart.storage.resume import prepare_resume
 from rollart.storage.store import RunStore
 
 
 def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] | None = None,
               eval_every: int | None = None,
-              stop_when: Callable[[list[float]], bool] | None = None) -> dict[str, Any]:
-    """Run `cfg.iterations` iterations; `stop_when(eval_history)` may end the run early."""
+              stop_when: Callable[[list[float]], bool] | None = None,
+              resume: bool = False) -> dict[str, Any]:
+    """Run `cfg.iterations` iterations; `stop_when(eval_history)` may end the run early.
+    `resume`: continue run `run_id` from its latest complete checkpoint (exact resume)."""
     cfg_dict = cfg.model_dump(mode="json")
     root = cfg.storage.root
+    store = RunStore.from_config(cfg.storage, run_id)
+    point = prepare_resume(store) if resume else None
     stages.prepare(cfg_dict, root, run_id)
     trainer = TrainerService(cfg_dict, root, run_id)
     engines = [EngineService(cfg_dict, root, run_id, r) for r in range(cfg.engine.replicas)]
+    if point is not None:
+        stages.restore(trainer, engines, point.step)
     stages.sync_weights(trainer, engines)
-    store = RunStore(root, run_id)
     curve: list[dict[str, Any]] = []
     evals: list[float] = []
     every = cfg.eval.every if eval_every is None else eval_every
     t_start = time.perf_counter()
-    for it in range(cfg.iterations):
+    for it in range(point.next_iteration if point else 0, cfg.iterations):
         t0 = time.perf_counter()
         collected = stages.collect(cfg_dict, root, run_id, it, engines)
         scored = stages.score(cfg_dict, root, run_id, it, collected)
@@ -45,7 +52,7 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
         if cfg.eval.episodes and ((every and step % every == 0) or step == cfg.iterations):
             m.update(stages.evaluate(cfg_dict, root, run_id, engines, cfg.eval.episodes)["metrics"])
         if step % cfg.storage.save_every == 0 or step == cfg.iterations:
-            stages.checkpoint(trainer, step, {"iteration": it})
+            stages.checkpoint(trainer, step, {"iteration": it}, engines)
         m["perf/iteration_s"] = time.perf_counter() - t0
         m["perf/elapsed_s"] = time.perf_counter() - t_start
         store.append_jsonl("metrics.jsonl", m)
@@ -56,5 +63,8 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
             evals.append(m["eval/success_rate"])
             if stop_when is not None and stop_when(evals):
                 break
-    return {"run_id": run_id, "store": store.url, "curve": curve,
+    uploads = trainer.flush_checkpoints()  # the final checkpoint is durable before returning
+    flush_all()
+    return {"run_id": run_id, "store": store.url, "curve": curve, "uploads": uploads,
+            "resumed_from": point.step if point else None,
             "wall_s": time.perf_counter() - t_start, "trainer": trainer, "engines": engines}

@@ -9,11 +9,13 @@ weights as version 0, so the two start bit-identical. Models never travel as tas
 from __future__ import annotations
 
 import functools
-import json
+import io
+import logging
 import tempfile
 import time
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from rollart.config import RunConfig, config_from_dict
@@ -22,9 +24,13 @@ from rollart.envs import make_env
 from rollart.models.chat import ChatFormat
 from rollart.models.policy import build_tiny_model, load_policy
 from rollart.models.tokenizer import build_tokenizer
+from rollart.storage.checkpointing import Checkpointer
 from rollart.storage.store import RunStore
+from rollart.storage.weights import load_weights_bytes, retie
 from rollart.train.trainer import Trainer
 from rollart.types import Completion, GenerationRequest, Trajectory
+
+log = logging.getLogger("rollart")
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -91,6 +97,7 @@ class EngineService:
     def __init__(self, cfg: dict[str, Any], root: str, run_id: str, replica: int = 0) -> None:
         self.cfg: RunConfig = config_from_dict(cfg)
         torch.set_num_threads(1)
+        self.store = RunStore.from_config(self.cfg.storage, run_id)
         model, tok = build_model(self.cfg, root, run_id)
         self.engine = HFEngine(
             model, tok, seed=self.cfg.seed * 1000 + replica,
@@ -113,6 +120,32 @@ class EngineService:
         self.sync_pauses.append(pause)
         return {"version": float(version), "pause_s": pause}
 
+    def pull_weights(self, version: int) -> dict[str, float]:
+        """Load a published weight version from the store (`weights/v{version}/`)."""
+        t0 = time.perf_counter()
+        data, _ = load_weights_bytes(self.store, version)
+        pull_s = time.perf_counter() - t0
+        state = retie(safetensors.torch.load(data), self.engine.model)
+        out = self.update_weights(version, state)
+        return {**out, "pull_s": pull_s, "bytes": float(len(data))}
+
+    def rng_state(self) -> bytes:
+        """The sampling generator's state (saved in checkpoints for exact resume)."""
+        return self.engine.generator.get_state().numpy().tobytes()
+
+    def restore_rng(self, step: int) -> bool:
+        """Restore this replica's sampling generator from checkpoint `step` (if recorded)."""
+        files, _ = self.store.load_checkpoint(step, only=["engine_rng.pt"])
+        if "engine_rng.pt" not in files:
+            return False
+        states = torch.load(io.BytesIO(files["engine_rng.pt"]))
+        if self.replica >= len(states):
+            log.warning("checkpoint %d has no RNG state for engine replica %d", step, self.replica)
+            return False
+        self.engine.generator.set_state(torch.frombuffer(bytearray(states[self.replica]),
+                                                         dtype=torch.uint8))
+        return True
+
     def weight_version(self) -> int:
         return self.engine.weight_version
 
@@ -133,35 +166,59 @@ class TrainerService:
         self.cfg: RunConfig = config_from_dict(cfg)
         torch.set_num_threads(self.cfg.train.threads)
         torch.manual_seed(self.cfg.seed)
+        self.store = RunStore.from_config(self.cfg.storage, run_id)
         model, tok = build_model(self.cfg, root, run_id)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.trainer = Trainer(model, self.cfg.algo, self.cfg.train,
                                temperature=self.cfg.engine.temperature, pad_id=int(pad))
-        self.store = RunStore(root, run_id)
+        # Ledger, checkpoint snapshots and background uploads (rollart/storage/checkpointing.py)
+        self.ckpt = Checkpointer(self.cfg, self.store)
         self.identity = worker_identity()
 
-    def update(self, trajs: list[Trajectory]) -> dict[str, Any]:
+    def update(self, trajs: list[Trajectory],
+               dropped: list[tuple[str, int, str]] | None = None) -> dict[str, Any]:
+        """One policy update; then every sample's fate goes into the ledger (consumed by this
+        step, or dropped with a reason, incl. `dropped` from earlier stages)."""
         torch.set_num_threads(self.cfg.train.threads)
         metrics = self.trainer.update(trajs)
+        metrics["train/samples_consumed"] = float(self.ckpt.record_update(
+            trajs, dropped, self.trainer.step, skipped="train/skipped" in metrics))
+        every = self.cfg.storage.weights_every
+        if every and not self.cfg.storage.sync_via_store and self.trainer.version % every == 0:
+            metrics["perf/weights_publish_wait_s"] = self.ckpt.publish_async(self.trainer)
         return {"metrics": metrics, "version": self.trainer.version, **self.identity}
 
     def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.trainer.version, self.trainer.export_weights()
 
-    def save_checkpoint(self, step: int, meta: dict[str, Any]) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        files = self.trainer.checkpoint_files()
-        meta = {**meta, "version": self.trainer.version, "config": self.cfg.model_dump(mode="json")}
-        path = self.store.save_checkpoint(step, files, meta)
-        removed = self.store.prune_checkpoints(self.cfg.storage.keep_last)
-        return {"path": path, "bytes": sum(map(len, files.values())), "removed": removed,
-                "save_s": time.perf_counter() - t0, **self.identity}
+    def sync_via_store(self) -> bool:
+        return self.cfg.storage.sync_via_store
+
+    def publish_weights(self) -> dict[str, Any]:
+        """Publish the current version to `weights/v{n}/` now (store-mediated sync)."""
+        return self.ckpt.publish_now(self.trainer)
+
+    def save_checkpoint(self, step: int, meta: dict[str, Any],
+                        engine_rng: list[bytes] | None = None,
+                        pending: list[Trajectory] | None = None) -> dict[str, Any]:
+        """Snapshot now, upload in the background (`storage.background_upload`)."""
+        return {**self.ckpt.save(self.trainer, step, meta, engine_rng, pending), **self.identity}
+
+    def flush_checkpoints(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Wait for background uploads (checkpoints, weight versions); raises a failure."""
+        return self.ckpt.flush(timeout)
 
     def load_checkpoint(self, step: int) -> dict[str, Any]:
-        files, manifest = self.store.load_checkpoint(step)
-        self.trainer.load_checkpoint_files(files)
-        return {"step": step, "version": self.trainer.version,
-                "meta": json.loads(json.dumps(manifest, default=str))}
+        """Restore model, optimizer, RNG, step/version, sample ledger and pending samples."""
+        return self.ckpt.restore(self.trainer, step)
+
+    def take_pending(self) -> list[Trajectory]:
+        """Complete-but-unconsumed samples restored from the checkpoint (handed out once)."""
+        out, self.ckpt.pending = self.ckpt.pending, []
+        return out
+
+    def ledger_records(self) -> list[list[Any]]:
+        return [list(r) for r in self.ckpt.ledger.records]
 
     def fingerprint(self) -> float:
         return _fingerprint(self.trainer.model)

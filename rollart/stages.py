@@ -19,6 +19,7 @@ from rollart.rewards.client import make_reward_client
 from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
 from rollart.rollout.plan import plan_eval, plan_iteration
 from rollart.services import chat_format, prepare_tokenizer, worker_identity
+from rollart.storage.background import shard_writer
 from rollart.storage.store import RunStore
 from rollart.types import SamplingParams, Trajectory
 
@@ -35,7 +36,7 @@ def call(handle: Any, method: str, *args: Any) -> Any:
 
 def prepare(cfg_dict: dict, root: str, run_id: str) -> dict[str, Any]:
     cfg = config_from_dict(cfg_dict)
-    store = RunStore(root, run_id)
+    store = RunStore.from_config(cfg.storage, run_id)
     if not store.exists("config.yaml"):
         store.write_text("config.yaml", dump_config(cfg))
     vocab = prepare_tokenizer(cfg, store)
@@ -51,6 +52,7 @@ def _sampling(cfg: RunConfig, greedy: bool = False) -> SamplingParams:
 def _run_on_engines(cfg: RunConfig, root: str, run_id: str, specs: list[EpisodeSpec],
                     engines: list[Any], params: SamplingParams) -> list[Trajectory]:
     """Split episodes across engine replicas (contiguous, so groups stay together)."""
+    RunStore.from_config(cfg.storage, run_id)  # this worker reaches the store as configured
     chat = chat_format(root, run_id, cfg.model.path if cfg.model.source == "hf_dir" else None)
     max_ctx = cfg.model.tiny.max_position if cfg.model.source == "tiny" else 4096
     n = len(engines)
@@ -87,7 +89,10 @@ def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
     """Rewards, then group-normalised advantages; failed episodes are dropped here."""
     cfg = config_from_dict(cfg_dict)
     t0 = time.perf_counter()
-    ok = [t for t in trajectories_of(collected) if t.error is None]
+    trajs = trajectories_of(collected)
+    ok = [t for t in trajs if t.error is None]
+    # Failed episodes never reach the trainer: the ledger records them as dropped.
+    dropped = [(t.sample_id, t.iteration, "env_error") for t in trajs if t.error is not None]
     make_reward_client(cfg.reward).score(ok)
     rewards = torch.tensor([t.reward for t in ok], dtype=torch.float32)
     groups = [t.group_id for t in ok]
@@ -97,22 +102,39 @@ def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
     for t, a in zip(ok, adv.tolist(), strict=True):
         t.advantage = a
     m = reward_metrics(ok, len(zero_variance_groups(rewards, groups)) if ok else 0)
-    if cfg.storage.shards and ok:
-        RunStore(root, run_id).write_shard(iteration, ok)
+    if cfg.storage.shards and ok:  # Parquet shard, uploaded off the critical path
+        store, shard = RunStore.from_config(cfg.storage, run_id), list(ok)
+        m["perf/shard_wait_s"] = shard_writer().submit(
+            f"shard {iteration}", lambda: store.write_shard(iteration, shard))
     m["perf/score_s"] = time.perf_counter() - t0
-    return ok, {"metrics": m, **worker_identity()}
+    return ok, {"metrics": m, "dropped": dropped, **worker_identity()}
 
 
 def update(trainer: Any, scored: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
-    out = call(trainer, "update", trajectories_of(scored))
+    dropped = scored[1].get("dropped") if isinstance(scored, tuple) else None
+    out = call(trainer, "update", trajectories_of(scored), dropped)
     out["metrics"]["perf/update_s"] = time.perf_counter() - t0
     return {**out, "caller": worker_identity()}
 
 
 def sync_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
-    """Trainer -> engines, worker to worker through this task (runs on an engine worker)."""
+    """Trainer -> engines, worker to worker through this task (runs on an engine worker), or
+    through the store (`storage.sync_via_store`: trainer publishes weights/v{n}, engines pull)."""
     t0 = time.perf_counter()
+    if call(trainer, "sync_via_store"):
+        pub = call(trainer, "publish_weights")
+        pulls = [call(e, "pull_weights", pub["version"]) for e in engines]
+        return {
+            "version": pub["version"],
+            "metrics": {"perf/sync_s": time.perf_counter() - t0,
+                        "perf/sync_pause_s": max(p["pause_s"] for p in pulls),
+                        "perf/sync_bytes": float(pub["bytes"]),
+                        "perf/weights_store_bytes": float(pub["bytes"]) * (1 + len(engines)),
+                        "perf/weights_publish_s": pub["publish_s"],
+                        "perf/weights_pull_s": max(p["pull_s"] for p in pulls)},
+            **worker_identity(),
+        }
     version, state = call(trainer, "export_weights")
     pauses = [call(e, "update_weights", version, state)["pause_s"] for e in engines]
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
@@ -124,8 +146,21 @@ def sync_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
     }
 
 
-def checkpoint(trainer: Any, step: int, meta: dict[str, Any]) -> dict[str, Any]:
-    return {**call(trainer, "save_checkpoint", step, meta), "caller": worker_identity()}
+def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
+               engines: list[Any] | None = None) -> dict[str, Any]:
+    """Snapshot trainer state, sample ledger and the engines' sampling RNG (exact resume);
+    the trainer uploads it in the background, so this returns before the upload ends."""
+    engine_rng = [call(e, "rng_state") for e in engines or []]
+    return {**call(trainer, "save_checkpoint", step, meta, engine_rng or None),
+            "caller": worker_identity()}
+
+
+def restore(trainer: Any, engines: list[Any], step: int) -> dict[str, Any]:
+    """Load checkpoint `step` into the trainer (weights, optimizer, RNG, ledger) and the engines'
+    sampling RNG; the caller then syncs weights so the engines serve the restored version."""
+    info = call(trainer, "load_checkpoint", step)
+    info["engine_rng_restored"] = [call(e, "restore_rng", step) for e in engines]
+    return info
 
 
 def evaluate(cfg_dict: dict, root: str, run_id: str, engines: list[Any],

@@ -3,11 +3,16 @@
 Layout under the root (DESIGN.md):
   runs/{run_id}/config.yaml
   runs/{run_id}/tokenizer/...
-  runs/{run_id}/checkpoints/{step:08d}/{model.safetensors, optimizer.pt, state.json, manifest.json}
+  runs/{run_id}/checkpoints/{step:08d}/{model.safetensors, optimizer.pt, rng.pt, ledger.json,
+                                        config.yaml, ..., manifest.json}
   runs/{run_id}/trajectories/{step:08d}/part-*.parquet
+  runs/{run_id}/weights/v{version}/{model.safetensors, manifest.json}
   runs/{run_id}/metrics.jsonl
 A checkpoint without its manifest does not exist: the manifest is written last and lists every
-file with its size, so a reader can also detect a torn upload.
+file with its size and CRC32, so a reader also detects a torn or corrupt upload.
+
+Every operation goes through `retrying` (rollart/storage/s3.py): transient errors (server down
+or restarting, timeouts, 5xx) are retried with backoff for `retry_timeout_s`.
 """
 
 from __future__ import annotations
@@ -16,31 +21,68 @@ import io
 import json
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollart.storage.s3 import StorageError, retrying, storage_options
 from rollart.types import Trajectory, table_to_trajectories, trajectories_to_table
 
+if TYPE_CHECKING:
+    from rollart.config import StorageConfig
+
 MANIFEST = "manifest.json"
+CHUNK = 8 * 2**20  # multipart part size / ranged-read size for large objects
+# Test hook: "STEP:SECONDS" sleeps between the files of checkpoint STEP (a wide, deterministic
+# window in which an upload is in flight, e.g. to kill the process there).
+SLOW_CHECKPOINT_ENV = "ROLLART_FAULT_SLOW_CHECKPOINT"
+T = TypeVar("T")
+
+# Options registered per root by `RunStore.from_config` in this process, so a later plain
+# `RunStore(root, run_id)` (tokenizer loads, analysis helpers) reaches the same endpoint.
+_registered: dict[str, tuple[dict[str, Any], float]] = {}
+_registered_lock = threading.Lock()
+
+
+def crc32(data: bytes) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 class RunStore:
     """Paths and atomic-enough writes for one run, rooted at `root` (path or fsspec URL)."""
 
-    def __init__(self, root: str, run_id: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, root: str, run_id: str, storage_options: dict[str, Any] | None = None,
+                 retry_timeout_s: float | None = None):
         self.root = root.rstrip("/")
         self.run_id = run_id
+        registered = _registered.get(self.root)
+        if storage_options is None and registered is not None:
+            storage_options, timeout = registered
+            retry_timeout_s = retry_timeout_s or timeout
+        self.retry_timeout_s = retry_timeout_s or 120.0
         self.fs, base = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
         proto = self.fs.protocol
         self.protocol = proto if isinstance(proto, str) else proto[0]
-        if self.protocol in ("file", "local"):
+        self.local = self.protocol in ("file", "local")
+        if self.local:
             base = os.path.abspath(base)
         self.base = f"{base}/runs/{run_id}"
+
+    @classmethod
+    def from_config(cls, cfg: StorageConfig, run_id: str) -> RunStore:
+        """The run's store as configured (endpoint, region, credentials, retry budget)."""
+        opts = storage_options(cfg)
+        with _registered_lock:
+            _registered[cfg.root.rstrip("/")] = (opts, cfg.retry_timeout_s)
+        return cls(cfg.root, run_id, opts, cfg.retry_timeout_s)
 
     # ---- paths -----------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -48,23 +90,59 @@ class RunStore:
 
     @property
     def url(self) -> str:
-        if self.protocol in ("file", "local"):
-            return self.base
-        return f"{self.protocol}://{self.base}"
+        return self.base if self.local else f"{self.protocol}://{self.base}"
+
+    def uri(self, *parts: str) -> str:
+        """Like `path`, as a URL for object stores (s3://...), a plain path locally."""
+        full = self.path(*parts)
+        return full if self.local else f"{self.protocol}://{full}"
 
     def checkpoint_dir(self, step: int) -> str:
-        return self.path("checkpoints", f"{step:08d}")
+        return self.uri("checkpoints", f"{step:08d}")
 
-    # ---- small files -----------------------------------------------------------------------
+    def _io(self, what: str, fn: Callable[[], T]) -> T:
+        return retrying(fn, f"{what} ({self.url})", timeout_s=self.retry_timeout_s)
+
+    # ---- small and large files -----------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes) -> None:
         full = self.path(rel)
-        self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
-        with self.fs.open(full, "wb") as f:
-            f.write(data)
+
+        def put() -> None:
+            if self.local:
+                self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.pipe_file(full, data)
+            else:  # concurrent multipart above 2 parts; a retry rewrites the whole object
+                self.fs.pipe_file(full, data, chunksize=CHUNK)
+
+        self._io(f"write {rel}", put)
 
     def read_bytes(self, rel: str) -> bytes:
-        with self.fs.open(self.path(rel), "rb") as f:
-            return f.read()
+        full = self.path(rel)
+        if self.local:
+            return self._io(f"read {rel}", lambda: self.fs.cat_file(full))
+        return self._io(f"read {rel}", lambda: self.fs.cat_file(full, chunksize=CHUNK))
+
+    def write_many(self, files: dict[str, bytes]) -> None:
+        """Write several objects at once (S3: every file's parts upload concurrently)."""
+        if self.local or len(files) < 2:
+            for rel, data in files.items():
+                self.write_bytes(rel, data)
+            return
+        full = {self.path(rel): data for rel, data in files.items()}
+        self._io(f"write {len(files)} files under {os.path.commonpath(list(files))!r}",
+                 lambda: self.fs.pipe(full, chunksize=CHUNK))
+
+    def read_many(self, rels: list[str]) -> dict[str, bytes]:
+        """Read several objects at once (S3: concurrent ranged reads across files)."""
+        if self.local or len(rels) < 2:
+            return {rel: self.read_bytes(rel) for rel in rels}
+        full = {self.path(rel): rel for rel in rels}
+
+        def cat() -> dict[str, bytes]:
+            out = self.fs.cat(list(full), chunksize=CHUNK)
+            return {full[self.fs._strip_protocol(k)]: v for k, v in out.items()}
+
+        return self._io(f"read {len(rels)} files", cat)
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes(rel, text.encode())
@@ -73,24 +151,65 @@ class RunStore:
         return self.read_bytes(rel).decode()
 
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self._io(f"stat {rel}", lambda: self.fs.exists(self.path(rel)))
+
+    def size(self, rel: str) -> int | None:
+        def stat() -> int | None:
+            try:
+                return int(self.fs.size(self.path(rel)))
+            except FileNotFoundError:
+                return None
+
+        return self._io(f"stat {rel}", stat)
+
+    def delete(self, rel: str, recursive: bool = True) -> None:
+        full = self.path(rel)
+
+        def rm() -> None:
+            try:
+                self.fs.rm(full, recursive=recursive)
+            except FileNotFoundError:
+                pass
+
+        self._io(f"delete {rel}", rm)
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names directly under `rel` (files and prefixes); [] when it does not exist."""
+        full = self.path(rel)
+
+        def ls() -> list[str]:
+            try:
+                return sorted(p.rstrip("/").rsplit("/", 1)[-1]
+                              for p in self.fs.ls(full, detail=False))
+            except FileNotFoundError:
+                return []
+
+        return self._io(f"list {rel}", ls)
 
     def append_jsonl(self, rel: str, record: dict[str, Any]) -> None:
         """Append one JSON line. Object stores cannot append, so rewrite there (small files)."""
-        line = json.dumps(record, sort_keys=True) + "\n"
-        full = self.path(rel)
-        self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
-        try:
-            with self.fs.open(full, "ab") as f:
-                f.write(line.encode())
-        except (NotImplementedError, ValueError):
-            old = self.read_bytes(rel) if self.exists(rel) else b""
-            self.write_bytes(rel, old + line.encode())
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        if self.local:
+            full = self.path(rel)
+
+            def append() -> None:
+                self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
+                with self.fs.open(full, "ab") as f:
+                    f.write(line)
+
+            self._io(f"append {rel}", append)
+            return
+        old = self.read_bytes(rel) if self.exists(rel) else b""
+        self.write_bytes(rel, old + line)
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         if not self.exists(rel):
             return []
         return [json.loads(x) for x in self.read_text(rel).splitlines() if x.strip()]
+
+    def write_jsonl(self, rel: str, records: Iterable[dict[str, Any]]) -> None:
+        self.write_bytes(rel, "".join(json.dumps(r, sort_keys=True) + "\n"
+                                      for r in records).encode())
 
     # ---- directories -----------------------------------------------------------------------
     def put_dir(self, local_dir: str | Path, rel: str) -> None:
@@ -101,11 +220,11 @@ class RunStore:
     def get_dir(self, rel: str, local_dir: str | Path) -> Path:
         local = Path(local_dir)
         prefix = self.path(rel)
-        for full in self.fs.find(prefix):
-            dest = local / full[len(prefix) + 1 :]
+        for full in self._io(f"list {rel}", lambda: self.fs.find(prefix)):
+            name = full[len(prefix) + 1:]
+            dest = local / name
             dest.parent.mkdir(parents=True, exist_ok=True)
-            with self.fs.open(full, "rb") as f:
-                dest.write_bytes(f.read())
+            dest.write_bytes(self.read_bytes(f"{rel}/{name}"))
         return local
 
     # ---- trajectory shards -----------------------------------------------------------------
@@ -116,74 +235,137 @@ class RunStore:
         self.write_bytes(rel, buf.getvalue())
         return self.path(rel)
 
+    def shard_steps(self) -> list[int]:
+        return sorted(int(n) for n in self.listdir("trajectories") if n.isdigit())
+
+    def read_shard_table(self, step: int | None = None) -> pa.Table:
+        """Shards as one Arrow table (all steps, or one), e.g. `.to_pandas()` for analysis."""
+        steps = [step] if step is not None else self.shard_steps()
+        tables = []
+        for s in steps:
+            for name in self.listdir(f"trajectories/{s:08d}"):
+                if name.endswith(".parquet"):
+                    data = self.read_bytes(f"trajectories/{s:08d}/{name}")
+                    tables.append(pq.read_table(io.BytesIO(data)))
+        if not tables:
+            from rollart.types import TRAJECTORY_SCHEMA
+
+            return TRAJECTORY_SCHEMA.empty_table()
+        return pa.concat_tables(tables)
+
     def read_shards(self, step: int | None = None) -> list[Trajectory]:
-        pattern = self.path("trajectories", f"{step:08d}" if step is not None else "*", "*.parquet")
-        out: list[Trajectory] = []
-        for full in sorted(self.fs.glob(pattern)):
-            with self.fs.open(full, "rb") as f:
-                out.extend(table_to_trajectories(pq.read_table(f)))
-        return out
+        return table_to_trajectories(self.read_shard_table(step))
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> str:
         """Write every file, then the manifest last. Returns the checkpoint directory."""
         rel = f"checkpoints/{step:08d}"
         t0 = time.perf_counter()
-        for name, data in files.items():
-            self.write_bytes(f"{rel}/{name}", data)
+        if self.exists(f"{rel}/{MANIFEST}"):  # rewriting a step: it stops existing first
+            self.delete(f"{rel}/{MANIFEST}")
+        delay = _slow_checkpoint_delay(step)
+        with ThreadPoolExecutor(1) as pool:  # CRC32s (zlib drops the GIL) while uploading
+            crcs = pool.submit(lambda: {name: crc32(data) for name, data in files.items()})
+            if delay:
+                for name, data in files.items():
+                    self.write_bytes(f"{rel}/{name}", data)
+                    time.sleep(delay)
+            else:
+                self.write_many({f"{rel}/{name}": data for name, data in files.items()})
+            entries = {name: {"bytes": len(data), "crc32": c}
+                       for (name, data), c in zip(files.items(), crcs.result().values(),
+                                                  strict=True)}
+        write_s = time.perf_counter() - t0
         manifest = {
             "step": step,
             "run_id": self.run_id,
-            "files": {name: len(data) for name, data in files.items()},
+            "files": entries,
+            "bytes": sum(e["bytes"] for e in entries.values()),
             "created": time.time(),
-            "write_s": time.perf_counter() - t0,
+            "write_s": write_s,
             **meta,
         }
-        self.write_text(f"{rel}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True))
+        self.write_text(f"{rel}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True,
+                                                        default=str))
         return self.checkpoint_dir(step)
+
+    def _manifest(self, rel: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.read_text(f"{rel}/{MANIFEST}"))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def _complete(self, rel: str) -> dict[str, Any] | None:
+        """The manifest when every listed file is present at its listed size, else None."""
+        manifest = self._manifest(rel)
+        if manifest is None or not isinstance(manifest.get("files"), dict):
+            return None
+        for name, entry in manifest["files"].items():
+            want = entry["bytes"] if isinstance(entry, dict) else entry
+            if self.size(f"{rel}/{name}") != want:
+                return None
+        return manifest
+
+    def checkpoint_steps(self) -> list[int]:
+        """Every checkpoint directory, complete or not."""
+        return sorted(int(n) for n in self.listdir("checkpoints") if n.isdigit())
 
     def list_checkpoints(self) -> list[int]:
         """Steps of complete checkpoints (manifest present and every listed file full-size)."""
-        steps = []
-        for full in self.fs.glob(self.path("checkpoints", "*", MANIFEST)):
-            step_dir = full.rsplit("/", 2)[-2]
-            if step_dir.isdigit() and self._complete(int(step_dir)):
-                steps.append(int(step_dir))
-        return sorted(steps)
-
-    def _complete(self, step: int) -> bool:
-        rel = f"checkpoints/{step:08d}"
-        try:
-            manifest = json.loads(self.read_text(f"{rel}/{MANIFEST}"))
-            return all(
-                self.fs.size(self.path(rel, name)) == size
-                for name, size in manifest["files"].items()
-            )
-        except (FileNotFoundError, KeyError, json.JSONDecodeError):
-            return False
+        return [s for s in self.checkpoint_steps()
+                if self._complete(f"checkpoints/{s:08d}") is not None]
 
     def latest_checkpoint(self) -> int | None:
-        steps = self.list_checkpoints()
-        return steps[-1] if steps else None
+        for s in reversed(self.checkpoint_steps()):
+            if self._complete(f"checkpoints/{s:08d}") is not None:
+                return s
+        return None
 
-    def load_checkpoint(self, step: int) -> tuple[dict[str, bytes], dict[str, Any]]:
+    def read_manifest(self, step: int) -> dict[str, Any]:
+        manifest = self._manifest(f"checkpoints/{step:08d}")
+        if manifest is None:
+            raise FileNotFoundError(f"checkpoint {step} of run {self.run_id} has no manifest")
+        return manifest
+
+    def load_checkpoint(self, step: int, only: Iterable[str] | None = None,
+                        ) -> tuple[dict[str, bytes], dict[str, Any]]:
+        """Files of a complete checkpoint (all, or `only` these names), verified against the
+        manifest's sizes and CRC32s."""
         rel = f"checkpoints/{step:08d}"
-        manifest = json.loads(self.read_text(f"{rel}/{MANIFEST}"))
-        return {name: self.read_bytes(f"{rel}/{name}") for name in manifest["files"]}, manifest
+        manifest = self.read_manifest(step)
+        names = [n for n in manifest["files"] if only is None or n in set(only)]
+        raw = self.read_many([f"{rel}/{n}" for n in names])
+        files: dict[str, bytes] = {}
+        for name in names:
+            data = raw[f"{rel}/{name}"]
+            entry = manifest["files"][name]
+            want = entry if isinstance(entry, dict) else {"bytes": entry}
+            if len(data) != want["bytes"] or ("crc32" in want and crc32(data) != want["crc32"]):
+                raise StorageError(f"storage: checkpoint {step} file {name} is corrupt or torn "
+                                   f"({len(data)} bytes, manifest says {want['bytes']})")
+            files[name] = data
+        return files, manifest
 
     def prune_checkpoints(self, keep_last: int) -> list[int]:
         """Retention: delete all but the newest `keep_last` complete checkpoints (and torn ones
-        older than the newest complete one)."""
+        older than the newest complete one; newer torn ones may still be uploading)."""
         complete = self.list_checkpoints()
         keep = set(complete[-keep_last:])
         newest = complete[-1] if complete else -1
         removed = []
-        for full in self.fs.glob(self.path("checkpoints", "*")):
-            name = full.rsplit("/", 1)[-1]
-            if name.isdigit() and int(name) not in keep and int(name) < newest:
-                self.fs.rm(full, recursive=True)
-                removed.append(int(name))
-        return sorted(removed)
+        for step in self.checkpoint_steps():
+            if step not in keep and step < newest:
+                self.delete(f"checkpoints/{step:08d}")
+                removed.append(step)
+        return removed
+
+
+def _slow_checkpoint_delay(step: int) -> float:
+    spec = os.environ.get(SLOW_CHECKPOINT_ENV, "")
+    if not spec:
+        return 0.0
+    at, _, seconds = spec.partition(":")
+    return float(seconds or 0) if at.strip() in ("*", str(step)) else 0.0
 
 
 def local_tmpdir(prefix: str = "rollart-") -> str:

@@ -75,7 +75,7 @@ def test_flow_two_iterations_on_hardware_class_workers(prefect_api, tmp_path):
 def test_bad_config_fails_before_anything_starts(tmp_path, args, fragment):
     env = {"PATH": "/usr/bin:/bin", "ROLLART_STATE_DIR": str(tmp_path / "state")}
     proc = subprocess.run(
-        [sys.executable, "-m", "rollart.cli", "train", *args], cwd=Path(__file__).parents[2],
+        [sys.executable, "-m", "cli.main", "train", *args], cwd=Path(__file__).parents[2],
         capture_output=True, text=True, env=env, timeout=60,
     )
     assert proc.returncode != 0

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import typer
 
-from rollart.cli_lambda import app as lambda_app
+from cli.lambda_cmd import app as lambda_app
+from cli.stack import app as stack_app
 from rollart.config import ConfigError, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Agentic RL on disaggregated hardware (Prefect + Dask).")
 app.add_typer(lambda_app, name="lambda")
+app.add_typer(stack_app)  # rollart up / down / status / deploy / submit
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -52,6 +54,8 @@ def train(
     set_: list[str] = typer.Option([], "--set", help="Override: key.path=value (repeatable)"),
     scheduler: str = typer.Option(None, "--scheduler", help="Existing Dask scheduler address"),
     run_id: str = typer.Option(None, "--run-id", help="Name of the run (default: name-time)"),
+    resume: str = typer.Option(None, "--resume", metavar="RUN_ID",
+                               help="Continue RUN_ID from its latest complete checkpoint"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Prefect's task logs too"),
 ) -> None:
     """Run a training flow on the embedded default (or an existing Dask scheduler)."""
@@ -67,13 +71,13 @@ def train(
     from flows.train import train as train_flow
     from rollart import progress
 
-    run_id = run_id or new_run_id(cfg.name)
+    run_id = run_id or resume or new_run_id(cfg.name)
     typer.echo(f"Run {run_id}: {cfg.iterations} iterations, "
                f"{cfg.rollout.num_groups}x{cfg.rollout.group_size} episodes per iteration")
     typer.echo(f"Watch it in the Prefect UI: {ui}/runs")
     progress.install(progress.TerminalTable(cfg.iterations))
     state = train_flow(config=str(config), overrides=list(set_), scheduler_address=scheduler,
-                       run_id=run_id, return_state=True)
+                       run_id=run_id, resume=resume, return_state=True)
     flow_run_id = state.state_details.flow_run_id
     if not state.is_completed():
         typer.secho(f"Run failed: {state.message}", fg="red", err=True)

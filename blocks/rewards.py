@@ -1,0 +1,50 @@
+"""`LambdaRewards` block: how episodes are scored (AWS Lambda or the local endpoint)."""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar, Literal
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr
+
+
+class LambdaRewards(Block):
+    """Reward scoring through Lambda: a function name (or ARN) on AWS, or the local endpoint
+    of `rollart up` (`endpoint_url`), with client-side concurrency and a handler-error policy."""
+
+    _block_type_name: ClassVar[str] = "rollart lambda rewards"
+    _block_type_slug: ClassVar[str] = "rollart-lambda-rewards"
+    _description: ClassVar[str] = "Reward functions of rollart on AWS Lambda or a local endpoint."
+
+    function_name: str = Field("rollart-env-outcome", description="Lambda function name or ARN")
+    handler: str = Field("env_outcome", description="Reward handler the function runs")
+    alias: str | None = Field(None, description="Lambda qualifier: alias or version")
+    endpoint_url: str | None = Field(None, description="Local endpoint URL; None for AWS Lambda")
+    embedded_endpoint: bool = Field(
+        False, description="No endpoint_url: start a local endpoint per run instead of AWS")
+    region: str = Field("us-east-1")
+    max_concurrency: int = Field(32, ge=1, le=1000, description="Invocations in flight")
+    timeout_s: float = Field(60.0, gt=0, le=900)
+    max_retries: int = Field(5, ge=0, le=50)
+    on_error: Literal["retry", "zero", "fail"] = Field(
+        "retry", description="Handler error: retry then fail, score 0 and flag, or fail the run")
+    aws_access_key_id: SecretStr | None = Field(None, description="For AWS Lambda (secret)")
+    aws_secret_access_key: SecretStr | None = Field(None, description="For AWS Lambda (secret)")
+
+    def config_overrides(self) -> list[str]:
+        values = {
+            "backend": "lambda", "function": self.handler, "function_name": self.function_name,
+            "alias": self.alias, "endpoint_url": self.endpoint_url, "region": self.region,
+            "embedded_endpoint": self.embedded_endpoint and not self.endpoint_url,
+            "max_concurrency": self.max_concurrency,
+            "timeout_s": self.timeout_s, "max_retries": self.max_retries,
+            "on_error": self.on_error,
+        }
+        return [f"reward.{k}={json.dumps(v)}" for k, v in values.items()]
+
+    def environment(self) -> dict[str, str]:
+        if self.aws_access_key_id and self.aws_secret_access_key:
+            return {"AWS_ACCESS_KEY_ID": self.aws_access_key_id.get_secret_value(),
+                    "AWS_SECRET_ACCESS_KEY": self.aws_secret_access_key.get_secret_value()}
+        return {}

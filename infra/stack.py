@@ -1,0 +1,379 @@
+"""The local stack behind `rollart up / down / status`: every service a deployment run needs.
+
+    prefect-server   standalone Prefect server (SQLite), reused from infra/prefect_server.py
+    prefect-worker   a process worker polling the work pool `rollart-local` (runs deployments)
+    dask-scheduler   `dask scheduler` with its dashboard
+    dask-<CLASS>-<i> `dask worker --resources CLASS=1`, one process per worker of each class
+    lambda           the local Lambda endpoint (`python -m infra.lambda_endpoint`)
+    s3               SeaweedFS S3 (`infra/seaweed.py`), when that module exists
+
+Everything listens on 127.0.0.1. Each service has `<name>.pid` and `<name>.log` under one state
+directory (`.rollart/` or $ROLLART_STATE_DIR); `stack.json` records ports and settings so a
+second `up` reuses what is running (idempotent) and `down` stops exactly what `up` started, by
+PID (each process leads its own session, so its children go with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.prefect_server import free_port, healthy
+from infra.procs import (
+    alive,
+    bin_path,
+    http_json,
+    http_ok,
+    port_free,
+    start_prefect,
+    stop_pid,
+    stop_pids,
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CLASSES = {"H800": 1, "H20": 1, "CPU": 1}
+DEFAULT_POOL = "rollart-local"
+LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> reward handler
+DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
+
+
+@dataclass
+class ServiceStatus:
+    name: str
+    up: bool
+    pid: int | None = None
+    url: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Stack:
+    """Start, stop and report the local stack under one state directory."""
+
+    def __init__(self, state_dir: Path | str | None = None, *, free_ports: bool = False,
+                 classes: dict[str, int] | None = None, pool: str = DEFAULT_POOL,
+                 poll_seconds: float = 5.0, worker_limit: int = 2) -> None:
+        self.state = Path(state_dir or default_state_dir()).absolute()
+        self.file = self.state / "stack.json"
+        saved = self._load()
+        self.free_ports = free_ports
+        self.classes = classes or saved.get("classes") or dict(DEFAULT_CLASSES)
+        self.pool = saved.get("pool", pool) if pool == DEFAULT_POOL else pool
+        self.poll_seconds = poll_seconds
+        self.worker_limit = worker_limit
+        self.ports: dict[str, int] = dict(saved.get("ports", {}))
+        self.services: dict[str, dict[str, Any]] = dict(saved.get("services", {}))
+
+    # ---- state -----------------------------------------------------------------------------
+    def _load(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def _save(self) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        data = {"classes": self.classes, "pool": self.pool, "ports": self.ports,
+                "services": self.services}
+        self.file.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+    def _pick_port(self, key: str) -> int:
+        old = self.ports.get(key)
+        if old and port_free(old):
+            return old
+        default = DEFAULT_PORTS.get(key)
+        if not self.free_ports and default and port_free(default):
+            return default
+        return free_port()
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [f"{c}-{i}" for c, n in self.classes.items() for i in range(n)]
+
+    # ---- URLs ------------------------------------------------------------------------------
+    def prefect_port(self) -> int | None:
+        f = self.state / "prefect.port"
+        return int(f.read_text()) if f.exists() else None
+
+    @property
+    def api_url(self) -> str | None:
+        port = self.prefect_port()
+        return f"http://127.0.0.1:{port}/api" if port else None
+
+    @property
+    def ui_url(self) -> str | None:
+        port = self.prefect_port()
+        return f"http://127.0.0.1:{port}" if port else None
+
+    @property
+    def scheduler_address(self) -> str | None:
+        p = self.ports.get("scheduler")
+        return f"tcp://127.0.0.1:{p}" if p else None
+
+    @property
+    def dashboard_url(self) -> str | None:
+        p = self.ports.get("dashboard")
+        return f"http://127.0.0.1:{p}/status" if p else None
+
+    @property
+    def lambda_url(self) -> str | None:
+        p = self.ports.get("lambda")
+        return f"http://127.0.0.1:{p}" if p else None
+
+    # ---- processes -------------------------------------------------------------------------
+    def _pid(self, name: str) -> int | None:
+        f = self.state / f"{name}.pid"
+        try:
+            return int(f.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def running(self, name: str) -> bool:
+        token = self.services.get(name, {}).get("token")
+        return alive(self._pid(name), token)
+
+    def _spawn(self, name: str, cmd: list[str], token: str, env: dict[str, str]) -> int:
+        log = open(self.state / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=PROJECT_ROOT, start_new_session=True)
+        log.close()
+        (self.state / f"{name}.pid").write_text(str(proc.pid))
+        self.services[name] = {"token": token, "cmd": cmd}
+        return proc.pid
+
+    def _stop(self, name: str) -> bool:
+        pid = self._pid(name)
+        was = self.running(name)
+        if was and pid:
+            stop_pid(pid)
+        (self.state / f"{name}.pid").unlink(missing_ok=True)
+        self.services.pop(name, None)
+        return was
+
+    def child_env(self) -> dict[str, str]:
+        """Environment of every stack process: our Prefect server, our state, one thread each."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update({
+            "ROLLART_STATE_DIR": str(self.state),
+            "PREFECT_HOME": str(self.state / "prefect-home"),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "DASK_LOGGING__DISTRIBUTED": "warning",
+        })
+        if self.api_url:
+            env["PREFECT_API_URL"] = self.api_url
+        return env
+
+    def _dask_config_dir(self) -> Path:
+        """Dask config for our worker processes: the nanny must not set MALLOC_TRIM_THRESHOLD_
+        (see infra/dask_cluster.py); a YAML `null` unsets it, which an env var cannot do."""
+        from infra.dask_cluster import WORKER_ENVIRON
+
+        d = self.state / "dask-config"
+        d.mkdir(parents=True, exist_ok=True)
+        environ = {k: (None if v is None else str(v)) for k, v in WORKER_ENVIRON.items()}
+        cfg = {"distributed": {"nanny": {"pre-spawn-environ": environ}}}
+        (d / "rollart.yaml").write_text(json.dumps(cfg, indent=2))  # JSON is YAML
+        return d
+
+    # ---- up --------------------------------------------------------------------------------
+    def up(self, timeout: float = 120.0) -> list[ServiceStatus]:
+        self.state.mkdir(parents=True, exist_ok=True)
+        for key in ("scheduler", "dashboard", "lambda"):
+            if not self._service_up(key):
+                self.ports[key] = self._pick_port(key)
+        if not healthy(self.api_url or "http://127.0.0.1:1/api", timeout=1.0):
+            self.ports["prefect"] = self._pick_port("prefect")
+        else:
+            self.ports["prefect"] = self.prefect_port() or 0
+        self._save()
+        env = {**self.child_env(), "PREFECT_API_URL": f"http://127.0.0.1:{self.ports['prefect']}/api"}
+
+        # Launch what does not need the Prefect server, then the server, then the worker.
+        s3_env = self._ensure_s3()
+        self._ensure_dask({**env, **s3_env})
+        self._ensure_lambda(env)
+        self._save()
+        server = start_prefect(self.state, self.ports["prefect"], timeout)
+        self.ports["prefect"] = int(server.api_url.rsplit(":", 1)[1].split("/")[0])
+        self._ensure_pool_and_worker(self.child_env())
+        self._save()
+        self._wait_healthy(timeout)
+        return self.status()
+
+    def _service_up(self, key: str) -> bool:
+        name = {"scheduler": "dask-scheduler", "dashboard": "dask-scheduler",
+                "lambda": "lambda"}[key]
+        return self.running(name)
+
+    def _ensure_dask(self, env: dict[str, str]) -> None:
+        dask_env = {**env, "DASK_CONFIG": str(self._dask_config_dir())}
+        if not self.running("dask-scheduler"):
+            self._spawn("dask-scheduler", [
+                bin_path("dask"), "scheduler", "--host", "127.0.0.1",
+                "--port", str(self.ports["scheduler"]),
+                "--dashboard-address", f"127.0.0.1:{self.ports['dashboard']}",
+            ], token="scheduler", env=dask_env)
+        for name in self.worker_names:
+            svc = f"dask-{name}"
+            if self.running(svc):
+                continue
+            hw = name.rsplit("-", 1)[0]
+            self._spawn(svc, [
+                bin_path("dask"), "worker", self.scheduler_address or "", "--name", name,
+                "--nthreads", "1", "--resources", f"{hw}=1", "--memory-limit", "0",
+                "--host", "127.0.0.1", "--no-dashboard",
+                "--local-directory", str(self.state / "dask-workers"),
+            ], token=f"--name {name}", env=dask_env)
+
+    def _ensure_lambda(self, env: dict[str, str]) -> None:
+        if self.running("lambda"):
+            return
+        cmd = [sys.executable, "-m", "infra.lambda_endpoint", "--port", str(self.ports["lambda"]),
+               "--concurrency", "4", "--idle-timeout", "120"]
+        for fn, handler in LAMBDA_FUNCTIONS.items():
+            cmd += ["--function", f"{fn}={handler}"]
+        self._spawn("lambda", cmd, token="infra.lambda_endpoint", env=env)
+
+    def s3(self) -> Any:
+        """The stack's SeaweedFS handle (endpoint, bucket, credentials), or None."""
+        try:
+            from infra import seaweed
+        except ImportError:
+            return None
+        return seaweed.load_running(self.state)
+
+    def _ensure_s3(self) -> dict[str, str]:
+        """Start (or reuse) `weed mini` (infra/seaweed.py, state in <state>/seaweed). Returns the
+        credentials for the Dask workers, which store checkpoints and shards: a run's storage
+        block gives them to the flow's own process, not to these long-lived workers."""
+        try:
+            from infra import seaweed
+        except ImportError:  # no local S3 in this checkout: runs store on local disk
+            return {}
+        h = seaweed.ensure_running(self.state)
+        (self.state / "s3.pid").write_text(str(h.pid))
+        self.services["s3"] = {"token": "weed", "url": h.endpoint_url, "bucket": h.bucket}
+        return {"AWS_ACCESS_KEY_ID": h.access_key, "AWS_SECRET_ACCESS_KEY": h.secret_key,
+                "AWS_DEFAULT_REGION": h.region}
+
+    def _ensure_pool_and_worker(self, env: dict[str, str]) -> None:
+        from prefect.workers.process import ProcessWorker
+
+        api = env["PREFECT_API_URL"]
+        try:
+            http_json(f"{api}/work_pools/{self.pool}")
+        except urllib.error.HTTPError as err:
+            if err.code != 404:
+                raise
+            http_json(f"{api}/work_pools/", {
+                "name": self.pool, "type": "process",
+                "description": "rollart local stack: flow runs as processes on this machine",
+                "base_job_template": ProcessWorker.get_default_base_job_template(),
+            })
+        if not self.running("prefect-worker"):
+            self._spawn("prefect-worker", [
+                bin_path("prefect"), "worker", "start", "--pool", self.pool, "--type", "process",
+                "--name", f"{self.pool}-worker", "--limit", str(self.worker_limit),
+                "--install-policy", "never",
+            ], token="worker", env={**env, "PREFECT_WORKER_QUERY_SECONDS": str(self.poll_seconds)})
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending: list[str] = []
+        while time.monotonic() < deadline:
+            st = self.status()
+            pending = [s.name for s in st if not s.up and s.name in self.services]
+            dead = [n for n in pending if not self.running(n)]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited during start; see "
+                                   + ", ".join(str(self.state / f"{n}.log") for n in dead))
+            if not pending:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"not healthy after {timeout:.0f}s: {', '.join(pending)} "
+                           f"(logs in {self.state})")
+
+    # ---- status ----------------------------------------------------------------------------
+    def _workers_seen(self) -> dict[str, dict[str, Any]]:
+        p = self.ports.get("dashboard")
+        try:
+            ident = http_json(f"http://127.0.0.1:{p}/json/identity.json", timeout=2.0)
+        except (OSError, ValueError):
+            return {}
+        return {w.get("name"): {**w, "address": addr}
+                for addr, w in ident.get("workers", {}).items()}
+
+    def _prefect_worker_online(self) -> bool:
+        try:
+            rows = http_json(f"{self.api_url}/work_pools/{self.pool}/workers/filter", {})
+        except (OSError, ValueError):
+            return False
+        return any(w.get("status") == "ONLINE" for w in rows or [])
+
+    def status(self) -> list[ServiceStatus]:
+        out: list[ServiceStatus] = []
+        api = self.api_url
+        up = bool(api) and healthy(api, timeout=2.0)
+        out.append(ServiceStatus("prefect-server", up, self._pid("prefect"), self.ui_url,
+                                 {"api": api, "ui": self.ui_url}))
+        wup = up and self.running("prefect-worker") and self._prefect_worker_online()
+        out.append(ServiceStatus("prefect-worker", wup, self._pid("prefect-worker"),
+                                 f"{self.ui_url}/work-pools/work-pool/{self.pool}" if up else None,
+                                 {"pool": self.pool, "type": "process"}))
+        sched_up = self.running("dask-scheduler") and http_ok(
+            f"http://127.0.0.1:{self.ports.get('dashboard')}/health")
+        out.append(ServiceStatus("dask-scheduler", sched_up, self._pid("dask-scheduler"),
+                                 self.scheduler_address, {"dashboard": self.dashboard_url}))
+        seen = self._workers_seen() if sched_up else {}
+        for name in self.worker_names:
+            svc = f"dask-{name}"
+            info = seen.get(name, {})
+            out.append(ServiceStatus(svc, self.running(svc) and bool(info), self._pid(svc),
+                                     info.get("address"),
+                                     {"resources": info.get("resources", {})}))
+        lam_up = self.running("lambda") and http_ok(f"{self.lambda_url}/local/metrics")
+        out.append(ServiceStatus("lambda", lam_up, self._pid("lambda"), self.lambda_url,
+                                 {"functions": sorted(LAMBDA_FUNCTIONS)}))
+        if "s3" in self.services:
+            info = self.services["s3"]
+            out.append(ServiceStatus("s3", self.running("s3"), self._pid("s3"), info.get("url"),
+                                     {"bucket": info.get("bucket")}))
+        return out
+
+    def status_json(self) -> dict[str, Any]:
+        return {"state_dir": str(self.state), "api_url": self.api_url, "ui_url": self.ui_url,
+                "scheduler_address": self.scheduler_address,
+                "dashboard_url": self.dashboard_url, "lambda_url": self.lambda_url,
+                "s3_url": self.services.get("s3", {}).get("url"),
+                "pool": self.pool, "classes": self.classes,
+                "services": [asdict(s) for s in self.status()]}
+
+    # ---- down ------------------------------------------------------------------------------
+    def down(self) -> list[str]:
+        """Stop the worker first (no new flow runs), then everything else at once."""
+        stopped = [n for n in ["prefect-worker"] if self._stop(n)]
+        names = [*(f"dask-{n}" for n in self.worker_names), "dask-scheduler", "lambda", "s3"]
+        live = {n: self._pid(n) for n in names if self.running(n)}
+        pid = self._pid("prefect")
+        if pid and alive(pid, "prefect"):
+            live["prefect-server"] = pid
+        stop_pids([p for p in live.values() if p])
+        for name in [*names, "prefect"]:
+            (self.state / f"{name}.pid").unlink(missing_ok=True)
+        stopped += list(live)
+        self.services.clear()
+        if self.state.exists():
+            self._save()
+        return stopped

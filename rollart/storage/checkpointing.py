@@ -1,0 +1,150 @@
+"""What the trainer service keeps for exact resume, and how it reaches the store.
+
+`Checkpointer` lives next to the Trainer (in TrainerService on the trainer-class worker):
+
+- `record_update` writes every sample's fate into the ledger once the update succeeded;
+- `save` snapshots, in memory and consistently, the weights (safetensors), optimizer, RNG states
+  (trainer and, when given, engines), step/version, the ledger with its plan cursor, pending
+  samples and the resolved config; the upload (files, manifest last, retention) then runs on a
+  background thread, so the next iteration does not wait for it;
+- `flush` waits for uploads (the run's end awaits the final checkpoint);
+- `restore` loads a complete checkpoint back into the trainer and the ledger;
+- weight versions: `publish_async` (every `storage.weights_every` versions, background) and
+  `publish_now` (store-mediated sync).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.parquet as pq
+import torch
+
+from rollart.config import RunConfig, dump_config
+from rollart.rollout.plan import plan_iteration
+from rollart.storage.background import BackgroundWriter
+from rollart.storage.ledger import SampleLedger
+from rollart.storage.store import RunStore
+from rollart.storage.weights import prune_weights, publish_weights, serialize_weights
+from rollart.types import Trajectory, table_to_trajectories, trajectories_to_table
+
+if TYPE_CHECKING:
+    from rollart.train.trainer import Trainer
+
+log = logging.getLogger("rollart.storage")
+
+
+def issued_ids(cfg: RunConfig, next_iteration: int) -> list[str]:
+    """Every sample id the synchronous plan issued before `next_iteration`."""
+    return [s.sample_id for i in range(next_iteration) for s in plan_iteration(cfg, i)]
+
+
+class Checkpointer:
+    def __init__(self, cfg: RunConfig, store: RunStore) -> None:
+        self.cfg, self.store = cfg, store
+        self.ledger = SampleLedger()
+        self.pending: list[Trajectory] = []  # complete, unconsumed samples (restored on resume)
+        self.uploads = BackgroundWriter("checkpoints", max_pending=1)
+        self.weight_uploads = BackgroundWriter("weights", max_pending=2)
+
+    # ---- ledger ------------------------------------------------------------------------------
+    def record_update(self, trajs: list[Trajectory], dropped: list[Any] | None, step: int,
+                      skipped: bool) -> int:
+        """Consumed: trajectories with model tokens (unless the update was skipped); dropped:
+        the rest, plus `dropped` = [(sample_id, iteration, reason)] from earlier stages."""
+        used = [] if skipped else [(t.sample_id, t.iteration) for t in trajs
+                                   if t.num_model_tokens > 0]
+        used_ids = {sid for sid, _ in used}
+        unused = [(t.sample_id, t.iteration, "no_model_tokens" if not skipped else "skipped")
+                  for t in trajs if t.sample_id not in used_ids]
+        self.ledger.consume(used, step)
+        self.ledger.drop([*unused, *(tuple(d) for d in dropped or [])], step)
+        return len(used)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, trainer: Trainer, step: int, meta: dict[str, Any],
+             engine_rng: list[bytes] | None = None,
+             pending: list[Trajectory] | None = None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        next_it = int(meta.get("next_iteration", int(meta.get("iteration", step - 1)) + 1))
+        self.ledger.next_iteration = next_it
+        self.pending = list(pending or [])
+        self.ledger.set_pending([(t.sample_id, t.iteration) for t in self.pending], step)
+        audit = self.ledger.audit(issued_ids(self.cfg, next_it))
+        if not audit.ok:
+            log.warning("sample ledger at checkpoint %d does not balance: %s", step,
+                        audit.as_dict())
+        files = trainer.checkpoint_files()
+        files["ledger.json"] = self.ledger.to_json()
+        files["config.yaml"] = dump_config(self.cfg).encode()
+        if engine_rng:
+            buf = io.BytesIO()
+            torch.save(list(engine_rng), buf)
+            files["engine_rng.pt"] = buf.getvalue()
+        if self.pending:
+            buf = io.BytesIO()
+            pq.write_table(trajectories_to_table(self.pending), buf)
+            files["pending.parquet"] = buf.getvalue()
+        meta = {**meta, "version": trainer.version, "train_step": trainer.step,
+                "next_iteration": next_it, "ledger": audit.as_dict()}
+        snapshot_s = time.perf_counter() - t0
+        wait_s = 0.0
+        if self.cfg.storage.background_upload:
+            wait_s = self.uploads.submit(f"checkpoint {step}",
+                                         lambda: self._upload(step, files, meta))
+            uploaded = self.uploads.finished()
+        else:
+            uploaded = [{"label": f"checkpoint {step}", "result": self._upload(step, files, meta)}]
+        return {"path": self.store.checkpoint_dir(step), "bytes": sum(map(len, files.values())),
+                "snapshot_s": snapshot_s, "wait_s": wait_s,
+                "save_s": time.perf_counter() - t0,  # what the caller waited for
+                "background": self.cfg.storage.background_upload, "uploaded": uploaded,
+                "ledger": audit.as_dict()}
+
+    def _upload(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        path = self.store.save_checkpoint(step, files, meta)
+        removed = self.store.prune_checkpoints(self.cfg.storage.keep_last)
+        nbytes = sum(map(len, files.values()))
+        upload_s = time.perf_counter() - t0
+        return {"step": step, "path": path, "bytes": nbytes, "removed": removed,
+                "upload_s": upload_s, "MB_per_s": nbytes / 1e6 / max(upload_s, 1e-9)}
+
+    def flush(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Wait for every background upload (checkpoints, weight versions); raises a failure."""
+        return [*self.uploads.drain(timeout), *self.weight_uploads.drain(timeout)]
+
+    def restore(self, trainer: Trainer, step: int) -> dict[str, Any]:
+        files, manifest = self.store.load_checkpoint(step)
+        trainer.load_checkpoint_files(files)
+        if "ledger.json" in files:
+            self.ledger = SampleLedger.from_json(files["ledger.json"])
+        else:  # older checkpoint: no per-sample record, only the cursor
+            self.ledger = SampleLedger(next_iteration=int(manifest.get("iteration", step - 1)) + 1)
+        self.pending = []
+        if "pending.parquet" in files:
+            self.pending = table_to_trajectories(pq.read_table(io.BytesIO(
+                files["pending.parquet"])))
+        return {"step": step, "version": trainer.version, "train_step": trainer.step,
+                "next_iteration": self.ledger.next_iteration, "pending": len(self.pending),
+                "ledger": self.ledger.counts(), "path": self.store.checkpoint_dir(step)}
+
+    # ---- weight versions -----------------------------------------------------------------------
+    def _publish(self, version: int, data: bytes, step: int) -> dict[str, Any]:
+        rec = publish_weights(self.store, version, data, {"step": step})
+        prune_weights(self.store, self.cfg.storage.weights_keep_last)
+        return rec
+
+    def publish_async(self, trainer: Trainer) -> float:
+        """Queue the current version for upload; returns the seconds the caller waited."""
+        version, step, state = trainer.version, trainer.step, trainer.export_weights()
+        return self.weight_uploads.submit(
+            f"weights v{version}", lambda: self._publish(version, serialize_weights(state), step))
+
+    def publish_now(self, trainer: Trainer) -> dict[str, Any]:
+        self.weight_uploads.drain()
+        return self._publish(trainer.version, serialize_weights(trainer.model.state_dict()),
+                             trainer.step)

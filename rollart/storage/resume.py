@@ -1,0 +1,169 @@
+"""Exact resume: find the latest complete checkpoint, rebuild the run's config, roll back
+whatever the interrupted attempt did after that checkpoint.
+
+Config on resume: the run's own `config.yaml` (what was asked for) is the base and every
+`--set` override is re-applied on top (e.g. `iterations=200` extends a run); where the store
+lives and how it is reached (`storage.root`, endpoint, region, credentials) comes from the
+current invocation, because that is how the run was found. The sample plan depends on `seed`,
+`rollout`, `tasks` and `model`, so a resume may not change them.
+
+Rollback: checkpoints newer than the one resumed from (torn uploads), trajectory shards and
+metrics rows of iterations at or after its `next_iteration`, and weight versions newer than its
+policy version belong to an attempt whose updates are lost; shards and metrics rows move to
+`abandoned/attempt-{n}/`, the rest is deleted, and `resumes.jsonl` records what happened.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import yaml
+
+from rollart.config import ConfigError, RunConfig, apply_overrides, config_from_dict
+from rollart.storage.ledger import SampleLedger
+from rollart.storage.store import RunStore
+from rollart.storage.weights import delete_weights_after
+
+PLAN_KEYS = ("seed", "rollout", "tasks", "model")
+LOCATION_KEYS = ("root", "endpoint_url", "region", "profile", "credentials_block",
+                 "create_bucket", "retry_timeout_s")
+
+
+class ResumeError(RuntimeError):
+    """Why a run cannot be resumed, in one line."""
+
+
+@dataclass
+class ResumePoint:
+    run_id: str
+    step: int  # the checkpoint's step
+    next_iteration: int  # first iteration the resumed run executes
+    version: int  # policy version restored
+    checkpoint: str  # its directory
+    attempt: int  # 2 for the first resume, ...
+    abandoned: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resume_config(current: RunConfig, overrides: list[str], store: RunStore) -> RunConfig:
+    """The config a resumed run uses (see the module docstring)."""
+    if not store.exists("config.yaml"):
+        raise ResumeError(f"cannot resume {store.run_id!r}: no run under {store.url} "
+                          "(check storage.root and the run id)")
+    stored = yaml.safe_load(store.read_text("config.yaml")) or {}
+    merged = apply_overrides(copy.deepcopy(stored), list(overrides))
+    merged.setdefault("storage", {})
+    for key in LOCATION_KEYS:
+        merged["storage"][key] = getattr(current.storage, key)
+    try:
+        cfg = config_from_dict(merged)
+    except ConfigError as err:
+        raise ResumeError(f"cannot resume {store.run_id!r}: {err}") from None
+    base = config_from_dict({**stored, "storage": merged["storage"]})
+    for key in PLAN_KEYS:
+        if getattr(cfg, key) != getattr(base, key):
+            raise ResumeError(
+                f"cannot resume {store.run_id!r} with a different '{key}': the sample plan and "
+                "its ledger depend on it (start a new run instead)"
+            )
+    return cfg
+
+
+def find_resume_point(store: RunStore) -> tuple[int, dict[str, Any]]:
+    step = store.latest_checkpoint()
+    if step is None:
+        torn = store.checkpoint_steps()
+        raise ResumeError(
+            f"cannot resume {store.run_id!r}: no complete checkpoint under {store.url}/checkpoints"
+            + (f" (only torn ones: {torn})" if torn else "")
+        )
+    return step, store.read_manifest(step)
+
+
+def prepare_resume(store: RunStore) -> ResumePoint:
+    """Pick the latest complete checkpoint and roll the store back to it."""
+    step, manifest = find_resume_point(store)
+    files, _ = store.load_checkpoint(step, only=["ledger.json"])
+    if "ledger.json" in files:
+        next_it = SampleLedger.from_json(files["ledger.json"]).next_iteration
+    else:  # checkpoints from before the ledger: the sync loop checkpoints after iteration `it`
+        next_it = int(manifest.get("iteration", step - 1)) + 1
+    version = int(manifest.get("version", step))
+    attempt = len(store.read_jsonl("resumes.jsonl")) + 2
+    abandoned = rollback(store, step, next_it, version, attempt)
+    point = ResumePoint(store.run_id, step, next_it, version, store.checkpoint_dir(step), attempt,
+                        abandoned)
+    store.append_jsonl("resumes.jsonl", {**point.as_dict(), "at": time.time()})
+    return point
+
+
+def rollback(store: RunStore, step: int, next_iteration: int, version: int,
+             attempt: int) -> dict[str, Any]:
+    """Undo what the interrupted attempt did after checkpoint `step` (module docstring)."""
+    dest = f"abandoned/attempt-{attempt - 1}"
+    torn = [s for s in store.checkpoint_steps() if s > step]
+    for s in torn:
+        store.delete(f"checkpoints/{s:08d}")
+    shard_steps = [s for s in store.shard_steps() if s >= next_iteration]
+    for s in shard_steps:
+        for name in store.listdir(f"trajectories/{s:08d}"):
+            src = f"trajectories/{s:08d}/{name}"
+            store.write_bytes(f"{dest}/{src}", store.read_bytes(src))
+        store.delete(f"trajectories/{s:08d}")
+    rows = store.read_jsonl("metrics.jsonl")
+    keep = [r for r in rows if int(r.get("iteration", -1)) < next_iteration]
+    dropped_rows = [r for r in rows if int(r.get("iteration", -1)) >= next_iteration]
+    if dropped_rows:
+        store.write_jsonl(f"{dest}/metrics.jsonl", dropped_rows)
+        store.write_jsonl("metrics.jsonl", keep)
+    weights = delete_weights_after(store, version)
+    return {"torn_checkpoints": torn, "shard_iterations": shard_steps,
+            "metrics_rows": len(dropped_rows), "weight_versions": weights,
+            "moved_to": dest if (shard_steps or dropped_rows) else None}
+
+
+def describe(point: ResumePoint) -> str:
+    a = point.abandoned
+    return (f"resuming {point.run_id} from checkpoint {point.step} (policy version "
+            f"{point.version}) at iteration {point.next_iteration}; rolled back "
+            f"{len(a.get('torn_checkpoints', []))} torn checkpoint(s), "
+            f"{len(a.get('shard_iterations', []))} shard iteration(s), "
+            f"{a.get('metrics_rows', 0)} metrics row(s)")
+
+
+def dumps(point: ResumePoint) -> str:
+    return json.dumps(point.as_dict(), sort_keys=True)
+
+
+def start_run(cfg: RunConfig, overrides: list[str], run_id: str,
+              resume: bool) -> tuple[RunConfig, ResumePoint | None]:
+    """At flow start, before any cluster: check the store (one-line StorageError), then either
+    refuse to reuse a run id that has checkpoints or prepare the resume (ResumeError).
+    Writes the run's requested config (`config.yaml`, the base of a later resume)."""
+    from rollart.config import dump_config
+    from rollart.storage.s3 import check_storage
+
+    check_storage(cfg.storage)
+    store = RunStore.from_config(cfg.storage, run_id)
+    point = None
+    if resume:
+        cfg = resume_config(cfg, overrides, store)
+        store = RunStore.from_config(cfg.storage, run_id)
+        point = prepare_resume(store)
+    elif store.latest_checkpoint() is not None:
+        raise ResumeError(f"run {run_id!r} already has checkpoints under {store.url}; resume it "
+                          "with --resume (flow parameter `resume`) or pick another run id")
+    elif store.checkpoint_steps() or store.shard_steps() or store.exists("metrics.jsonl"):
+        # An attempt died before its first complete checkpoint: start over, keep its data aside.
+        attempt = len(store.read_jsonl("resumes.jsonl")) + 2
+        store.append_jsonl("resumes.jsonl", {"run_id": run_id, "step": 0, "next_iteration": 0,
+                                             "attempt": attempt, "at": time.time(),
+                                             "abandoned": rollback(store, 0, 0, 0, attempt)})
+    store.write_text("config.yaml", dump_config(cfg))
+    return cfg, point

@@ -1,0 +1,136 @@
+"""The run store against a real S3 server: SeaweedFS `weed mini` on loopback, auth enforced."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from infra.seaweed import start_seaweed
+from rollart.config import StorageConfig
+from rollart.storage.s3 import StorageError, check_storage
+from rollart.storage.store import RunStore
+from rollart.storage.weights import latest_weights_version, load_weights_bytes, publish_weights
+
+pytestmark = pytest.mark.integration
+
+KEY, SECRET = "rollart-test", "rollart-test-secret"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = start_seaweed(tmp_path_factory.mktemp("seaweed"), access_key=KEY, secret_key=SECRET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(s3, monkeypatch):
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    return s3
+
+
+def _cfg(s3, prefix: str, **kw) -> StorageConfig:
+    return StorageConfig(root=f"s3://{s3.bucket}/{prefix}", endpoint_url=s3.endpoint_url, **kw)
+
+
+def _traj(i: int):
+    from rollart.types import Trajectory
+
+    return Trajectory(sample_id=f"s{i}", task="t", env_id="e", group_id="g", seed=i, iteration=3,
+                      token_ids=[1, 2], loss_mask=[0, 1], behaviour_logprobs=[0.0, -0.5],
+                      token_versions=[-1, 2], reward=float(i))
+
+
+def test_shards_checkpoints_and_weights_round_trip(aws_env):
+    assert check_storage(_cfg(aws_env, "rt")).startswith("S3 s3://")
+    store = RunStore.from_config(_cfg(aws_env, "rt"), "run1")
+    assert store.url == f"s3://{aws_env.bucket}/rt/runs/run1"
+    store.write_shard(3, [_traj(i) for i in range(4)])
+    back = store.read_shards(3)
+    assert [t.sample_id for t in back] == ["s0", "s1", "s2", "s3"] and back[2].reward == 2.0
+    assert store.shard_steps() == [3]
+
+    big = os.urandom(20 * 2**20)  # multipart (several 8 MiB parts, uploaded concurrently)
+    for step in (1, 2, 3):
+        store.save_checkpoint(step, {"model.safetensors": big, "rng.pt": b"r" * step},
+                              {"iteration": step - 1})
+    store.write_bytes("checkpoints/00000004/model.safetensors", b"torn")  # no manifest
+    assert store.list_checkpoints() == [1, 2, 3] and store.latest_checkpoint() == 3
+    files, manifest = store.load_checkpoint(2)
+    assert files["model.safetensors"] == big and files["rng.pt"] == b"rr"
+    assert manifest["iteration"] == 1 and manifest["bytes"] == len(big) + 2
+    assert store.prune_checkpoints(keep_last=2) == [1]
+    assert store.list_checkpoints() == [2, 3] and 4 in store.checkpoint_steps()
+
+    publish_weights(store, 5, b"weights-v5")
+    assert latest_weights_version(store) == 5
+    assert load_weights_bytes(store, 5)[0] == b"weights-v5"
+    # A second process-less reader: a plain RunStore(root) reuses the registered options.
+    assert RunStore(store.root, "run1").read_shards(3)[0].sample_id == "s0"
+
+
+def test_server_restart_mid_run_is_retried(aws_env):
+    store = RunStore.from_config(_cfg(aws_env, "restart"), "run1")
+    store.write_text("before.txt", "kept")
+    bounced = threading.Event()
+
+    def crash_and_restart():
+        time.sleep(0.3)
+        aws_env.restart(kill=True, down_s=2.0)  # SIGKILL, 2 s down, same ports and data
+        bounced.set()
+
+    th = threading.Thread(target=crash_and_restart)
+    th.start()
+    t0 = time.monotonic()
+    for step in range(1, 40):
+        store.save_checkpoint(step, {"a.bin": os.urandom(2 * 2**20), "b.txt": b"b"}, {})
+        if bounced.is_set() and time.monotonic() - t0 > 3:
+            break
+        time.sleep(0.05)
+    th.join()
+    assert bounced.is_set()
+    done = store.list_checkpoints()
+    assert done == list(range(1, step + 1))  # every save succeeded despite the outage
+    assert store.read_text("before.txt") == "kept"  # data survived the crash
+
+
+def test_wrong_credentials_fail_fast_with_one_line(aws_env, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as err:
+        check_storage(_cfg(aws_env, "bad"))
+    msg = str(err.value)
+    assert "rejected the credentials" in msg and "AWS_SECRET_ACCESS_KEY" in msg
+    assert "\n" not in msg and time.monotonic() - t0 < 5  # permanent: no retry loop
+
+
+def test_missing_bucket_and_unreachable_endpoint(aws_env):
+    cfg = StorageConfig(root="s3://no-such-bucket/p", endpoint_url=aws_env.endpoint_url)
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist.*create_bucket"):
+        check_storage(cfg)
+    made = StorageConfig(root="s3://made-on-demand/p", endpoint_url=aws_env.endpoint_url,
+                         create_bucket=True)
+    check_storage(made)
+    RunStore.from_config(made, "r").write_text("ok", "1")
+    dead = StorageConfig(root="s3://rollart/p", endpoint_url="http://127.0.0.1:9")
+    with pytest.raises(StorageError, match="still failing.*127.0.0.1:9"):
+        check_storage(dead, timeout_s=1.0)
+
+
+def test_credentials_from_a_prefect_secret_block(aws_env, prefect_api, monkeypatch):
+    from prefect.blocks.system import Secret
+
+    Secret(value={"aws_access_key_id": KEY, "aws_secret_access_key": SECRET}).save(
+        "rollart-s3-test", overwrite=True)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    cfg = _cfg(aws_env, "block", credentials_block="rollart-s3-test")
+    assert "secret" not in cfg.model_dump_json().lower().replace("credentials_block", "")
+    check_storage(cfg)
+    RunStore.from_config(cfg, "r").write_text("via-block", "1")
+    with pytest.raises(StorageError, match="no-such-block"):
+        check_storage(_cfg(aws_env, "block", credentials_block="no-such-block"))
