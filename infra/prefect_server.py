@@ -70,7 +70,7 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
         if healthy(url):
             return PrefectServer(url, f"http://127.0.0.1:{old_port}", int(pid_file.read_text()),
                                  started=False)
-    port = port or (DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port())
+    port = port or (DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port())
     env = {
         **os.environ,
         "PREFECT_HOME": str(state / "prefect-home"),
@@ -101,7 +101,7 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
     raise TimeoutError(f"Prefect server not healthy after {timeout:.0f}s; see the log in {state}")
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

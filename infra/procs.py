@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import urllib.error
@@ -17,20 +16,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from infra.prefect_server import start_server
+from infra.prefect_server import port_free, start_server  # noqa: F401 (re-exported)
 
 
 def bin_path(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

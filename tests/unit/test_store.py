@@ -21,22 +21,11 @@ from rollart.storage.weights import (
     retie,
     serialize_weights,
 )
-from rollart.types import Trajectory, Turn
 
 
-def _traj(i: int, **kw) -> Trajectory:
-    turn = Turn(0, "obs", "<answer>Left</answer>", "Left", True, 0.0, 10, 3, 0, 0.1, 0.01)
-    return Trajectory(
-        sample_id=f"s{i}", task="frozenlake", env_id="FrozenLake-v1", group_id="g", seed=i,
-        iteration=0, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behaviour_logprobs=[0, -1, -2],
-        token_versions=[-1, 0, 0], turns=[turn], reward=1.0, reward_details={"success": 1.0},
-        timings={"env_s": 0.5}, **kw,
-    )
-
-
-def test_shard_roundtrip(tmp_path):
+def test_shard_roundtrip(tmp_path, make_traj):
     store = RunStore(str(tmp_path), "r1")
-    trajs = [_traj(i, env_return=float(i)) for i in range(3)]
+    trajs = [make_traj(i, env_return=float(i)) for i in range(3)]
     store.write_shard(4, trajs)
     store.write_shard(5, trajs[:1])
     back = store.read_shards(4)

@@ -2,17 +2,6 @@ import pytest
 
 from rollart.rewards.client import LocalRewardClient
 from rollart.rewards.handlers import env_outcome, get_handler
-from rollart.types import Trajectory, Turn
-
-
-def _traj(i: int, **kw) -> Trajectory:
-    turn = Turn(0, "obs", "<answer>Left</answer>", "Left", True, 0.0, 10, 3, 0, 0.1, 0.01)
-    return Trajectory(
-        sample_id=f"s{i}", task="frozenlake", env_id="FrozenLake-v1", group_id="g", seed=i,
-        iteration=0, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behaviour_logprobs=[0, -1, -2],
-        token_versions=[-1, 0, 0], turns=[turn], reward=1.0, reward_details={"success": 1.0},
-        timings={"env_s": 0.5}, **kw,
-    )
 
 
 def test_env_outcome_averages_format_penalty_over_turns():
@@ -27,8 +16,8 @@ def test_env_outcome_averages_format_penalty_over_turns():
     assert short["reward"] == pytest.approx(long["reward"]) == pytest.approx(-0.1)
 
 
-def test_local_client_scores_and_unknown_handler():
-    t = _traj(0, task_return=1.0, format_penalty=0.0, success=True)
+def test_local_client_scores_and_unknown_handler(make_traj):
+    t = make_traj(0, task_return=1.0, format_penalty=0.0, success=True)
     LocalRewardClient("success").score([t])
     assert t.reward == 1.0 and "reward_s" in t.timings
     with pytest.raises(KeyError, match="known"):
