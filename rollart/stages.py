@@ -7,7 +7,8 @@ benchmarks); `call` hides the difference between an actor future and a direct re
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,7 +51,8 @@ def _sampling(cfg: RunConfig, greedy: bool = False) -> SamplingParams:
 
 
 def _run_on_engines(cfg: RunConfig, root: str, run_id: str, specs: list[EpisodeSpec],
-                    engines: list[Any], params: SamplingParams) -> list[Trajectory]:
+                    engines: list[Any], params: SamplingParams,
+                    on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Split episodes across engine replicas (contiguous, so groups stay together)."""
     RunStore.from_config(cfg.storage, run_id)  # this worker reaches the store as configured
     chat = chat_format(root, run_id, cfg.model.path if cfg.model.source == "hf_dir" else None)
@@ -62,7 +64,7 @@ def _run_on_engines(cfg: RunConfig, root: str, run_id: str, specs: list[EpisodeS
 
     def run(i: int) -> list[Trajectory]:
         return run_episodes(chunks[i], lambda reqs: call(engines[i], "generate", reqs),
-                            chat, per_task, max_ctx)
+                            chat, per_task, max_ctx, on_done)
 
     if n == 1:
         return run(0)
@@ -75,11 +77,23 @@ def collect(cfg_dict: dict, root: str, run_id: str, iteration: int,
     cfg = config_from_dict(cfg_dict)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    # Each episode's reward is invoked the moment it ends, so scoring (Lambda) overlaps the
+    # generation of the episodes still running; `score` only gathers what is missing.
+    client = make_reward_client(cfg.reward)
+    pending: list[Future[Trajectory]] = []
+
+    def on_done(traj: Trajectory) -> None:
+        if traj.error is None:
+            pending.append(client.submit(traj))
+
     trajs = _run_on_engines(cfg, root, run_id, plan_iteration(cfg, iteration), engines,
-                            _sampling(cfg))
+                            _sampling(cfg), on_done)
     wall = time.perf_counter() - t0
+    for fut in pending:
+        fut.result()  # a reward error under on_error=fail surfaces here, naming the sample
     m = rollout_metrics(trajs)
     m["perf/rollout_s"] = wall
+    m["perf/reward_wait_s"] = time.perf_counter() - t0 - wall  # scoring left after generation
     m["perf/gen_tokens_per_s"] = m["rollout/model_tokens"] / max(wall, 1e-9)
     return trajs, {"metrics": m, **worker_identity()}
 
@@ -93,7 +107,9 @@ def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
     ok = [t for t in trajs if t.error is None]
     # Failed episodes never reach the trainer: the ledger records them as dropped.
     dropped = [(t.sample_id, t.iteration, "env_error") for t in trajs if t.error is not None]
-    make_reward_client(cfg.reward).score(ok)
+    unscored = [t for t in ok if t.reward is None]  # normally none: collect invoked them
+    if unscored:
+        make_reward_client(cfg.reward).score(unscored)
     rewards = torch.tensor([t.reward for t in ok], dtype=torch.float32)
     groups = [t.group_id for t in ok]
     estimator = get_advantage_estimator(cfg.algo.advantage)

@@ -150,14 +150,18 @@ def run_episodes(
     chat: ChatFormat,
     params: SamplingParams | dict[str, SamplingParams],
     max_context: int = 1024,
+    on_done: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """Run every episode to completion; returns trajectories in the order of `specs`.
 
-    `params` is one SamplingParams for all, or one per task name."""
+    `params` is one SamplingParams for all, or one per task name. `on_done(trajectory)` is
+    called as soon as each episode ends (e.g. to invoke its reward while others still run)."""
     by_task = params if isinstance(params, dict) else {s.task.name: params for s in specs}
     episodes = [_start(s, chat) for s in specs]
     for ep in episodes:
         ep.traj.allowed_token_ids = by_task[ep.spec.task.name].allowed_token_ids
+        if ep.done and on_done is not None:  # reset failed
+            on_done(ep.traj)
     while True:
         live = [ep for ep in episodes if not ep.done]
         if not live:
@@ -174,6 +178,9 @@ def run_episodes(
         for ep, req in zip(live, requests, strict=True):
             ep.timings["generate_s"] += gen_s
             _apply(ep, by_id[req.request_id], chat, max_context, req.params.max_new_tokens)
+            if ep.done and on_done is not None:
+                ep.traj.timings.update(ep.timings)
+                on_done(ep.traj)
     out = []
     for ep in episodes:
         if ep.env is not None:

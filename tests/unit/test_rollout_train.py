@@ -10,7 +10,7 @@ from rollart.envs.registry import ENV_BUILDERS, register_env
 from rollart.models.chat import ChatFormat
 from rollart.models.policy import build_tiny_model
 from rollart.models.tokenizer import build_tokenizer
-from rollart.rollout.env_manager import EpisodeSpec, run_episodes
+from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
 from rollart.train.trainer import Trainer, collate
 from rollart.types import SamplingParams
 
@@ -148,3 +148,24 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(policy):
         assert torch.equal(a, b), k
     assert fresh.version == 1
     assert fresh.optimizer.state_dict()["state"].keys() == tr.optimizer.state_dict()["state"].keys()
+
+
+def test_on_done_fires_as_each_episode_ends(policy):
+    model, tok = policy
+    engine = HFEngine(model, tok, seed=3)
+    calls = {"n": 0}
+
+    def generate(reqs):
+        calls["n"] += 1
+        return engine.generate(reqs)
+
+    seen: list[tuple[str, int, int]] = []
+    task = TaskConfig(max_turns=4, constrained=True)  # actions flow: some episodes end early
+    chat = ChatFormat(tok)
+    params = constrained_params(SamplingParams(max_new_tokens=4), chat, [task])
+    trajs = run_episodes(_specs(8, task), generate, chat, params,
+                         on_done=lambda t: seen.append((t.sample_id, t.num_turns, calls["n"])))
+    assert sorted(s for s, _, _ in seen) == sorted(t.sample_id for t in trajs)  # once each
+    assert len({turns for _, turns, _ in seen}) > 1  # episodes of different lengths
+    for _, turns, at_call in seen:
+        assert at_call == turns  # called right after its last turn, not at the end of the batch
