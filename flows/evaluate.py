@@ -46,7 +46,7 @@ def load_checkpoint(engine: Any, cfg_dict: dict[str, Any], root: str, run_id: st
     (strict=False restores the ties) before the engine's strict load."""
     import safetensors.torch
 
-    from rollart.services import _fingerprint, build_model, worker_identity
+    from rollart.services import build_model, param_checksum, worker_identity
     from rollart.stages import call
 
     cfg = config_from_dict(cfg_dict)
@@ -57,7 +57,7 @@ def load_checkpoint(engine: Any, cfg_dict: dict[str, Any], root: str, run_id: st
     model.load_state_dict(saved, strict=False)
     version = int(manifest.get("version", step))
     call(engine, "update_weights", version, model.state_dict())
-    served, expected = call(engine, "fingerprint"), _fingerprint(model)
+    served, expected = call(engine, "fingerprint"), param_checksum(model)
     if abs(served - expected) > 1e-6 * max(1.0, abs(expected)):
         raise RuntimeError(f"engine weights differ from checkpoint {step} after loading")
     return {"step": step, "version": version, "fingerprint": served, **worker_identity()}

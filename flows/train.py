@@ -150,7 +150,6 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
         progress.note(f"Checkpoints and metrics under {store.url}")
 
         artifacts = RunArtifacts(run_id, cfg.iterations)
-        rows: list[dict[str, Any]] = []
         last_ckpt: dict[str, Any] | None = None
         final: dict[str, float] = {}
         for it in range(start, cfg.iterations):
@@ -191,7 +190,6 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
             m["perf/iteration_s"] = time.perf_counter() - t0
             store.append_jsonl("metrics.jsonl", m)
             row = summary_row(m)
-            rows.append(row)
             final = m
             logger.info(progress.format_row(row))
             progress.report(row)

@@ -150,7 +150,7 @@ class EngineService:
         return self.engine.weight_version
 
     def fingerprint(self) -> float:
-        return _fingerprint(self.engine.model)
+        return param_checksum(self.engine.model)
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), **self.identity, "replica": self.replica}
@@ -221,13 +221,13 @@ class TrainerService:
         return [list(r) for r in self.ckpt.ledger.records]
 
     def fingerprint(self) -> float:
-        return _fingerprint(self.trainer.model)
+        return param_checksum(self.trainer.model)
 
     def where(self) -> dict[str, Any]:
         return self.identity
 
 
-def _fingerprint(model: torch.nn.Module) -> float:
+def param_checksum(model: torch.nn.Module) -> float:
     """Cheap parameter checksum (sum of |w| over every tensor), to see that weights changed."""
     with torch.no_grad():
         return float(sum(p.detach().abs().sum() for p in model.parameters()))
