@@ -13,10 +13,11 @@ import os
 import dask
 from distributed import Nanny, Scheduler, SpecCluster
 
-# Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in every worker it spawns, which makes glibc hand
-# freed memory back to the OS eagerly; torch then page-faults on every large allocation.
-# Measured here: a tiny-Llama forward+backward took 1.55x longer in such a worker (1.89 s vs
-# 1.22 s, /tmp profiling of 3 steps) and 2.3x with 2 threads. Keep the other spawn settings.
+# Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in every worker it spawns (glibc hands freed
+# memory back to the OS eagerly); we leave glibc's default. An early one-off measurement blamed it
+# for a 1.5x torch slowdown in workers; `benchmarks/worker_malloc.py` does not reproduce that
+# (results/worker_malloc.json: same step time with and without it). What did speed the flow up
+# was setting torch threads in the thread that runs the work (see rollart/services.py).
 WORKER_ENVIRON = {
     "MALLOC_TRIM_THRESHOLD_": None,
     "OMP_NUM_THREADS": 1,

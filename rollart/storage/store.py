@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 import threading
 import time
 import zlib
@@ -367,10 +366,3 @@ def _slow_checkpoint_delay(step: int) -> float:
     at, _, seconds = spec.partition(":")
     return float(seconds or 0) if at.strip() in ("*", str(step)) else 0.0
 
-
-def local_tmpdir(prefix: str = "rollart-") -> str:
-    return tempfile.mkdtemp(prefix=prefix)
-
-
-def iter_metrics(store: RunStore) -> Iterable[dict[str, Any]]:
-    return store.read_jsonl("metrics.jsonl")
