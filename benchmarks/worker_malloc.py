@@ -68,8 +68,11 @@ def main() -> None:
     out = Path("results/worker_malloc.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"worker_malloc: dask-default/rollart worker environ 1 thread {result['slowdown_threads_1_s']}x, "
-          f"2 threads {result['slowdown_threads_2_s']}x -> {out}")
+    print(f"worker_malloc: dask-default/rollart environ 1 thread "
+          f"{result['slowdown_threads_1_s']}x, 2 threads {result['slowdown_threads_2_s']}x; "
+          f"worker/driver 1 thread "
+          f"{result['worker_rollart']['threads_1_s'] / result['driver']['threads_1_s']:.2f}x "
+          f"-> {out}")
 
 
 if __name__ == "__main__":
