@@ -4,8 +4,10 @@
         -> sync_weights (engine class) -> [checkpoint (trainer class)] [evaluate (env class)]
 
 The flow only orchestrates: it validates the config, starts or connects to the Dask cluster,
-creates the long-lived services (engine replicas and the trainer, as Dask actors pinned to their
-classes), then submits one DAG per iteration with every submission annotated with its class.
+creates the long-lived services as Dask actors pinned to their classes (engine replicas, the
+trainer, one env host per env-class worker, and the rollout service that keeps episodes running
+across iterations), then submits one DAG per iteration with every submission annotated with its
+class. `collect` takes the next batch of complete groups from the rollout service.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from rollart import progress
 from rollart import stages as stage_fns
 from rollart.config import RunConfig, config_from_dict, load_config
 from rollart.metrics import summary_row
-from rollart.services import EngineService, TrainerService
+from rollart.rollout.env_host import EnvHostService
+from rollart.services import EngineService, RolloutServiceActor, TrainerService
 from rollart.storage.background import flush_all
 from rollart.storage.resume import ResumeError, describe, start_run
 from rollart.storage.s3 import StorageError
@@ -105,6 +108,13 @@ def _check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
     return have
 
 
+def _host_stats(host: Any) -> dict[str, Any] | None:
+    try:
+        return host.stats().result(timeout=10)
+    except Exception:  # its worker is gone
+        return None
+
+
 @flow(name="iterations")
 def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
                resume_step: int | None = None) -> dict[str, Any]:
@@ -138,6 +148,14 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
         placed("trainer_service", trainer.where().result())
         for e in engines:
             placed("engine_service", e.where().result())
+        # One env host per env-class worker: episodes survive the loss of any one of them.
+        env_workers = _check_classes(client, cfg)[stages["env"]]
+        hosts = [client.submit(EnvHostService, cfg_dict, actor=True, workers=[addr],
+                               key=f"env-host-{run_id}-{i}").result()
+                 for i, addr in enumerate(env_workers)]
+        # The rollout service reaches hosts by (key, address), not as task dependencies: a lost
+        # env worker must not take the service's own actor down with it.
+        host_refs = [(h.key, placed("env_host", h.stats().result())["address"]) for h in hosts]
         start = 0
         if resume_step is not None:  # trainer state, ledger, engine RNG; weights synced below
             restored = stage_fns.restore(trainer, engines, resume_step)
@@ -146,6 +164,14 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
                         resume_step, restored["version"], start, restored["ledger"])
         with on("engine"):
             placed("sync_weights", t.sync_weights.submit(trainer, engines).result())
+        # The coordinator lives with the first env host; losing that worker ends the run (resume
+        # from the last checkpoint), losing any other env worker costs only its episodes.
+        rollout = client.submit(RolloutServiceActor, cfg_dict, root, run_id, engines, host_refs,
+                                start, actor=True, workers=[env_workers[0]],
+                                key=f"rollout-{run_id}").result()
+        placed("rollout_service", rollout.start().result())
+        logger.info("Rollout service: %d env host(s), max_staleness %d, redundancy %d",
+                    len(hosts), cfg.rollout.max_staleness, cfg.rollout.redundancy)
         logger.info("Run %s: store %s; %d engine replica(s)", run_id, store.url, len(engines))
         progress.note(f"Checkpoints and metrics under {store.url}")
 
@@ -155,16 +181,21 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
         for it in range(start, cfg.iterations):
             t0 = time.perf_counter()
             with on("env"):
-                collected = t.collect.submit(cfg_dict, root, run_id, it, engines)
+                collected = t.collect.submit(rollout, it)
             with on("reward"):
                 scored = t.score.submit(cfg_dict, root, run_id, it, collected)
             with on("trainer"):
                 updated = t.update.submit(trainer, scored)
-            with on("engine"):
-                synced = t.sync_weights.submit(trainer, engines, wait_for=[updated])
             step = it + 1
+            checkpoint_due = step % cfg.storage.save_every == 0 or step == cfg.iterations
+            # On a checkpoint iteration the next batch starts after the snapshot, so the
+            # engines' sampling RNG is captured at rest (exact resume with max_staleness 0).
+            with on("engine"):
+                synced = t.sync_weights.submit(trainer, engines,
+                                               None if checkpoint_due else rollout, step,
+                                               wait_for=[updated])
             ckpt = None
-            if step % cfg.storage.save_every == 0 or step == cfg.iterations:
+            if checkpoint_due:
                 with on("trainer"):
                     ckpt = t.checkpoint.submit(trainer, step, {"iteration": it}, engines,
                                                wait_for=[updated])
@@ -182,6 +213,8 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
             m.update(placed("sync_weights", synced.result())["metrics"])
             if ckpt is not None:
                 last_ckpt = placed("checkpoint", ckpt.result())
+                synced.result()  # the engines serve the new version before episodes start
+                rollout.set_version(step).result()
                 m["perf/checkpoint_s"] = last_ckpt["save_s"]  # blocking part; upload: below
                 for up in last_ckpt.get("uploaded", []):  # background uploads finished since
                     m["perf/checkpoint_upload_s"] = up["result"]["upload_s"]
@@ -195,6 +228,9 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
             progress.report(row)
             artifacts.iteration(step, row, m, last_ckpt if ckpt is not None else None)
 
+        rollout_stats = rollout.stop().result()
+        rollout_stats["env_hosts"] = [_host_stats(h) for h in hosts]
+        logger.info("Rollout service: %s", rollout_stats["counters"])
         # The final checkpoint (and every background upload) is durable before the run ends.
         uploads = trainer.flush_checkpoints().result()
         shards = client.run(flush_all)
@@ -212,4 +248,5 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
         "placement": placement,
         "fingerprints": fingerprints,
         "resumed_from": resume_step,
+        "rollout": rollout_stats,
     }

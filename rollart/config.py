@@ -70,6 +70,27 @@ class EngineConfig(_Strict):
     threads: int = Field(2, gt=0)  # torch intra-op threads on the engine worker while generating
 
 
+class LatencyConfig(_Strict):
+    """Injected env step latency that stands for slow tools or sandboxes (a heavy tail):
+    every step sleeps lognormal(median_s, sigma); with probability tail_prob it also stalls
+    for tail_s x Pareto(tail_alpha) (>= tail_s, mean tail_s * a / (a - 1))."""
+
+    median_s: float = Field(0.0, ge=0.0)
+    sigma: float = Field(0.5, ge=0.0)
+    tail_prob: float = Field(0.0, ge=0.0, le=1.0)
+    tail_s: float = Field(0.0, ge=0.0)
+    tail_alpha: float = Field(2.0, gt=1.0)
+
+
+class FaultConfig(_Strict):
+    """Injected env failures (chaos testing): each step raises with `step_error_rate`; the
+    `hang_at_step`-th step a worker process runs for this task hangs for `hang_s` seconds."""
+
+    step_error_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    hang_at_step: int | None = Field(None, gt=0)
+    hang_s: float = Field(3600.0, gt=0.0)
+
+
 class TaskConfig(_Strict):
     """One environment kind and its share of each batch."""
 
@@ -88,11 +109,30 @@ class TaskConfig(_Strict):
     # action names, end of turn). For tiny models trained from scratch; log-probs stay exact.
     constrained: bool = False
     eval_seed_offset: int = 1_000_000  # evaluation seeds are disjoint from training seeds
+    latency: LatencyConfig | None = None  # injected step latency (benchmarks, slow-tool stand-in)
+    faults: FaultConfig | None = None  # injected step errors / a hang (resilience tests)
 
 
 class RolloutConfig(_Strict):
+    """Rollout service. Each update consumes `num_groups` complete groups of `group_size`.
+
+    An episode begun under policy version v may feed update u only if u - v <= max_staleness;
+    0 is the synchronous baseline (same code). Groups launch group_size + redundancy episodes and
+    keep the first group_size finishers. A failed or timed-out episode is re-issued up to
+    max_retries times per group member."""
+
     num_groups: int = Field(4, gt=0)
     group_size: int = Field(16, gt=0)
+    max_staleness: int = Field(0, ge=0, le=8)
+    redundancy: int = Field(0, ge=0)
+    max_retries: int = Field(2, ge=0)
+    env_timeout_s: float = Field(60.0, gt=0.0)  # one env reset/step; past it the episode fails
+    env_host_threads: int = Field(64, gt=0)  # concurrent env calls per env host (CPU worker)
+    # "lockstep": an engine's batch waits for a turn of every live episode on it (the classic
+    # synchronous rollout; deterministic, so resume is exact). "continuous": whatever turns are
+    # ready go (turn-level continuous batching; episodes never wait for each other).
+    batching: Literal["lockstep", "continuous"] = "lockstep"
+    batch_wait_s: float = Field(0.002, ge=0.0)  # continuous: wait this long to fill a batch
 
     @model_validator(mode="after")
     def _group(self) -> RolloutConfig:

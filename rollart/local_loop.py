@@ -13,6 +13,7 @@ from typing import Any
 from rollart import stages
 from rollart.config import RunConfig
 from rollart.metrics import summary_row
+from rollart.rollout.env_host import EnvHost
 from rollart.services import EngineService, TrainerService
 from rollart.storage.background import flush_all
 from rollart.storage.resume import prepare_resume
@@ -34,25 +35,33 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
     engines = [EngineService(cfg_dict, root, run_id, r) for r in range(cfg.engine.replicas)]
     if point is not None:
         stages.restore(trainer, engines, point.step)
-    stages.sync_weights(trainer, engines)
+    synced = stages.sync_weights(trainer, engines)
+    # Env host in this process; the service's threads keep episodes flowing during updates.
+    rollout = stages.rollout_service(cfg, root, run_id, engines, [EnvHost(cfg.tasks)],
+                                     version=point.next_iteration if point else 0)
+    rollout.start()
     curve: list[dict[str, Any]] = []
     evals: list[float] = []
     every = cfg.eval.every if eval_every is None else eval_every
     t_start = time.perf_counter()
     for it in range(point.next_iteration if point else 0, cfg.iterations):
         t0 = time.perf_counter()
-        collected = stages.collect(cfg_dict, root, run_id, it, engines)
+        collected = stages.collect(rollout, it)
         scored = stages.score(cfg_dict, root, run_id, it, collected)
         updated = stages.update(trainer, scored)
-        synced = stages.sync_weights(trainer, engines)
+        step = it + 1
+        checkpoint_due = step % cfg.storage.save_every == 0 or step == cfg.iterations
+        # On a checkpoint iteration the next batch starts only after the snapshot, so the
+        # engines' sampling RNG is captured at rest (exact resume with max_staleness 0).
+        synced = stages.sync_weights(trainer, engines, None if checkpoint_due else rollout, step)
         m: dict[str, Any] = {"iteration": float(it)}
         for part in (collected[1], scored[1], updated, synced):
             m.update(part["metrics"])
-        step = it + 1
         if cfg.eval.episodes and ((every and step % every == 0) or step == cfg.iterations):
             m.update(stages.evaluate(cfg_dict, root, run_id, engines, cfg.eval.episodes)["metrics"])
-        if step % cfg.storage.save_every == 0 or step == cfg.iterations:
+        if checkpoint_due:
             stages.checkpoint(trainer, step, {"iteration": it}, engines)
+            rollout.set_version(step)
         m["perf/iteration_s"] = time.perf_counter() - t0
         m["perf/elapsed_s"] = time.perf_counter() - t_start
         store.append_jsonl("metrics.jsonl", m)
@@ -63,8 +72,10 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
             evals.append(m["eval/success_rate"])
             if stop_when is not None and stop_when(evals):
                 break
+    rollout_stats = rollout.stop()
     uploads = trainer.flush_checkpoints()  # the final checkpoint is durable before returning
     flush_all()
     return {"run_id": run_id, "store": store.url, "curve": curve, "uploads": uploads,
             "resumed_from": point.step if point else None,
-            "wall_s": time.perf_counter() - t_start, "trainer": trainer, "engines": engines}
+            "wall_s": time.perf_counter() - t_start, "trainer": trainer, "engines": engines,
+            "rollout": rollout_stats}

@@ -233,3 +233,43 @@ def param_checksum(model: torch.nn.Module) -> float:
         return float(sum(p.detach().abs().sum() for p in model.parameters()))
 
 
+
+
+class RolloutServiceActor:
+    """Dask actor: the run's RolloutService on an env-class worker. Its threads call the engine
+    and env-host actors; `take_batch` is a coroutine (it polls on the worker's event loop), so
+    waiting for a batch never holds the worker's single actor thread."""
+
+    def __init__(self, cfg: dict[str, Any], root: str, run_id: str, engines: list[Any],
+                 host_refs: list[tuple[str, str]], version: int = 0) -> None:
+        from distributed.actor import Actor
+
+        from rollart.rollout.env_host import EnvHostService
+        from rollart.stages import rollout_service
+
+        # Env hosts by (actor key, worker address): handles, not graph dependencies.
+        hosts = [Actor(EnvHostService, address, key) for key, address in host_refs]
+        self.service = rollout_service(config_from_dict(cfg), root, run_id, engines, hosts,
+                                       version)
+
+    def start(self) -> dict[str, Any]:
+        self.service.start()
+        return worker_identity()
+
+    async def take_batch(self, update: int) -> tuple[list[Trajectory], dict[str, Any]]:
+        import asyncio
+
+        t0 = time.perf_counter()
+        while (out := self.service.try_take(update)) is None:
+            await asyncio.sleep(0.02)
+        out[1]["metrics"]["rollout/wait_s"] = time.perf_counter() - t0
+        return out
+
+    def set_version(self, version: int) -> None:
+        self.service.set_version(version)
+
+    def stats(self) -> dict[str, Any]:
+        return self.service.stats()
+
+    def stop(self) -> dict[str, Any]:
+        return self.service.stop()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -18,7 +18,8 @@ from rollart.config import RunConfig, config_from_dict, dump_config
 from rollart.metrics import reward_metrics, rollout_metrics
 from rollart.rewards.client import make_reward_client
 from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
-from rollart.rollout.plan import plan_eval, plan_iteration
+from rollart.rollout.plan import plan_eval
+from rollart.rollout.service import RolloutService, call
 from rollart.services import chat_format, prepare_tokenizer, worker_identity
 from rollart.storage.background import shard_writer
 from rollart.storage.store import RunStore
@@ -28,11 +29,6 @@ from rollart.types import SamplingParams, Trajectory
 def trajectories_of(x: list[Trajectory] | tuple[list[Trajectory], dict]) -> list[Trajectory]:
     """Stages hand on `(trajectories, info)`; accept that or a bare list."""
     return x[0] if isinstance(x, tuple) else x
-
-
-def call(handle: Any, method: str, *args: Any) -> Any:
-    out = getattr(handle, method)(*args)
-    return out.result() if hasattr(out, "result") and callable(out.result) else out
 
 
 def prepare(cfg_dict: dict, root: str, run_id: str) -> dict[str, Any]:
@@ -72,30 +68,24 @@ def _run_on_engines(cfg: RunConfig, root: str, run_id: str, specs: list[EpisodeS
         return [t for part in pool.map(run, range(n)) for t in part]
 
 
-def collect(cfg_dict: dict, root: str, run_id: str, iteration: int,
-            engines: list[Any]) -> tuple[list[Trajectory], dict[str, Any]]:
-    cfg = config_from_dict(cfg_dict)
-    torch.set_num_threads(1)
+def rollout_service(cfg: RunConfig, root: str, run_id: str, engines: list[Any],
+                    hosts: list[Any], version: int = 0) -> RolloutService:
+    """The run's rollout service (not started): chat format, per-task sampling, rewards."""
+    chat = chat_format(root, run_id, cfg.model.path if cfg.model.source == "hf_dir" else None)
+    max_ctx = cfg.model.tiny.max_position if cfg.model.source == "tiny" else 4096
+    return RolloutService(cfg, chat, engines, hosts, make_reward_client(cfg.reward),
+                          constrained_params(_sampling(cfg), chat, cfg.tasks), version, max_ctx)
+
+
+def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, Any]]:
+    """The complete, scored groups for update `iteration` from the rollout service. Episodes
+    ran (and were rewarded as each ended) while earlier updates trained, as far as
+    `rollout.max_staleness` allows; this waits only for what is still missing."""
     t0 = time.perf_counter()
-    # Each episode's reward is invoked the moment it ends, so scoring (Lambda) overlaps the
-    # generation of the episodes still running; `score` only gathers what is missing.
-    client = make_reward_client(cfg.reward)
-    pending: list[Future[Trajectory]] = []
-
-    def on_done(traj: Trajectory) -> None:
-        if traj.error is None:
-            pending.append(client.submit(traj))
-
-    trajs = _run_on_engines(cfg, root, run_id, plan_iteration(cfg, iteration), engines,
-                            _sampling(cfg), on_done)
-    wall = time.perf_counter() - t0
-    for fut in pending:
-        fut.result()  # a reward error under on_error=fail surfaces here, naming the sample
-    m = rollout_metrics(trajs)
-    m["perf/rollout_s"] = wall
-    m["perf/reward_wait_s"] = time.perf_counter() - t0 - wall  # scoring left after generation
-    m["perf/gen_tokens_per_s"] = m["rollout/model_tokens"] / max(wall, 1e-9)
-    return trajs, {"metrics": m, **worker_identity()}
+    trajs, info = call(rollout, "take_batch", iteration)
+    m = info["metrics"]
+    m["perf/rollout_s"] = time.perf_counter() - t0  # time the trainer waited for rollouts
+    return trajs, {**info, **worker_identity()}
 
 
 def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
@@ -107,6 +97,8 @@ def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
     ok = [t for t in trajs if t.error is None]
     # Failed episodes never reach the trainer: the ledger records them as dropped.
     dropped = [(t.sample_id, t.iteration, "env_error") for t in trajs if t.error is not None]
+    if isinstance(collected, tuple):  # failed, cancelled and stale episodes of the service
+        dropped += [tuple(d) for d in collected[1].get("dropped", [])]
     unscored = [t for t in ok if t.reward is None]  # normally none: collect invoked them
     if unscored:
         make_reward_client(cfg.reward).score(unscored)
@@ -134,9 +126,20 @@ def update(trainer: Any, scored: Any) -> dict[str, Any]:
     return {**out, "caller": worker_identity()}
 
 
-def sync_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
+def sync_weights(trainer: Any, engines: list[Any], rollout: Any = None,
+                 step: int | None = None) -> dict[str, Any]:
     """Trainer -> engines, worker to worker through this task (runs on an engine worker), or
-    through the store (`storage.sync_via_store`: trainer publishes weights/v{n}, engines pull)."""
+    through the store (`storage.sync_via_store`: trainer publishes weights/v{n}, engines pull).
+    Each engine switches between two `generate` calls: turns in flight finish on the old version
+    (their tokens record it). Then the rollout service learns that update `step` is done
+    (its staleness clock counts updates; a skipped update leaves the weight version alone)."""
+    out = _push_weights(trainer, engines)
+    if rollout is not None:
+        call(rollout, "set_version", out["version"] if step is None else step)
+    return out
+
+
+def _push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if call(trainer, "sync_via_store"):
         pub = call(trainer, "publish_weights")

@@ -82,4 +82,13 @@ def make_env(task: TaskConfig) -> Env:
             f"unknown env_id {task.env_id!r}: known ids and prefixes are "
             f"{', '.join(known_env_ids())} (or any id registered in gymnasium)"
         )
-    return builder(task)
+    env = builder(task)
+    if task.latency is not None:
+        from rollart.envs.wrappers import LatencyEnv
+
+        env = LatencyEnv(env, task.latency)
+    if task.faults is not None:
+        from rollart.envs.wrappers import FaultEnv
+
+        env = FaultEnv(env, task.faults, task.name)
+    return env

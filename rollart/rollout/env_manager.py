@@ -87,11 +87,12 @@ def _fail(ep: _Episode, where: str) -> None:
     ep.done = True
 
 
-def _start(spec: EpisodeSpec, chat: ChatFormat) -> _Episode:
+def start_episode(spec: EpisodeSpec, chat: ChatFormat,
+           env_factory: Callable[[TaskConfig], object] = make_env) -> _Episode:
     ep = _Episode(spec=spec, traj=_new_trajectory(spec), env=None)
     t0 = time.perf_counter()
     try:
-        ep.env = make_env(spec.task)
+        ep.env = env_factory(spec.task)
         ep.observation, _ = ep.env.reset(seed=spec.seed)
         system = ep.env.system_prompt
     except Exception:
@@ -104,7 +105,7 @@ def _start(spec: EpisodeSpec, chat: ChatFormat) -> _Episode:
     return ep
 
 
-def _apply(ep: _Episode, comp: Completion, chat: ChatFormat, max_context: int,
+def apply_completion(ep: _Episode, comp: Completion, chat: ChatFormat, max_context: int,
            max_new_tokens: int) -> None:
     """Append the completion, step the env, append the next observation."""
     ep.extend(comp.token_ids, 1, comp.logprobs, comp.weight_version)
@@ -157,7 +158,7 @@ def run_episodes(
     `params` is one SamplingParams for all, or one per task name. `on_done(trajectory)` is
     called as soon as each episode ends (e.g. to invoke its reward while others still run)."""
     by_task = params if isinstance(params, dict) else {s.task.name: params for s in specs}
-    episodes = [_start(s, chat) for s in specs]
+    episodes = [start_episode(s, chat) for s in specs]
     for ep in episodes:
         ep.traj.allowed_token_ids = by_task[ep.spec.task.name].allowed_token_ids
         if ep.done and on_done is not None:  # reset failed
@@ -177,7 +178,8 @@ def run_episodes(
         by_id = {c.request_id: c for c in completions}
         for ep, req in zip(live, requests, strict=True):
             ep.timings["generate_s"] += gen_s
-            _apply(ep, by_id[req.request_id], chat, max_context, req.params.max_new_tokens)
+            apply_completion(ep, by_id[req.request_id], chat, max_context,
+                             req.params.max_new_tokens)
             if ep.done and on_done is not None:
                 ep.traj.timings.update(ep.timings)
                 on_done(ep.traj)

@@ -6,8 +6,11 @@ groups feed each update, under bounded staleness:
     an episode begun under policy version v may feed update u only if u - v <= max_staleness
 
 (update u is the one that turns version u into u + 1; max_staleness = 0 is the synchronous
-baseline). Admission control keeps at most (max_staleness + 1) batches of groups in flight, so
-work is not started that would be stale before it could be used.
+baseline). Admission control: a group begun now, under `version`, can feed the updates
+next_update .. version + max_staleness, so at most that many batches of groups exist at once
+(in flight or complete); work is not started that is bound to go stale. With max_staleness = 0
+this makes the loop synchronous: nothing starts between taking batch u and the engines serving
+version u + 1. With 1, the next batch keeps running while update u trains.
 
 Groups launch `group_size + redundancy` episodes and keep the first `group_size` to finish; the
 rest are cancelled. A failed episode is re-issued (same group, same seed) up to `max_retries`
@@ -18,6 +21,7 @@ the real rollout service and the simulator.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -28,6 +32,7 @@ class Start:
     task: str
     seed: int
     version: int  # policy version the episode starts under
+    iteration: int = 0  # nominal iteration of the group (group index // batch_groups)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class GroupState:
     task: str
     seed: int
     start_version: int
+    iteration: int = 0
     running: set[str] = field(default_factory=set)
     finished: list[str] = field(default_factory=list)  # in finishing order, at most group_size
     failures: int = 0
@@ -58,25 +64,41 @@ class SchedulerConfig:
     max_staleness: int = 0
     redundancy: int = 0
     max_retries: int = 2
+    max_updates: int | None = None  # updates the run will take; no group starts after the last
     task_shares: tuple[tuple[str, float], ...] = (("default", 1.0),)
 
 
+# group index -> (group id, task, seed); the rollout service maps indices onto the iteration
+# plan so that group and sample ids are the planned ones (rollart/rollout/plan.py).
+GroupNamer = Callable[[int], tuple[str, str, int]]
+
+
 class RolloutScheduler:
-    def __init__(self, cfg: SchedulerConfig, version: int = 0, seed_of=None) -> None:
+    def __init__(self, cfg: SchedulerConfig, version: int = 0,
+                 group_of: GroupNamer | None = None, first_group: int = 0) -> None:
         self.cfg = cfg
         self.version = version  # latest policy version the engines serve
+        self.next_update = version  # the update the next `take_batch` feeds
         self.groups: dict[str, GroupState] = {}
         self.complete: list[str] = []  # complete, unconsumed group ids, in completion order
         self.episode_group: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
-        self._next_group = 0
+        # Finished episodes of dropped groups, (episode id, reason): never used, to be recorded.
+        self.discarded: list[tuple[str, str]] = []
+        self._next_group = first_group
         self._task_counts: Counter[str] = Counter()
-        self._seed_of = seed_of or (lambda task, index: index)
+        self._namer = group_of
 
     # ---- admission -----------------------------------------------------------------------
     def _capacity(self) -> int:
-        """Groups that may exist (in flight or complete, unconsumed): (alpha + 1) batches."""
-        return (self.cfg.max_staleness + 1) * self.cfg.batch_groups
+        """Groups that may exist (in flight or complete, unconsumed). A group begun now, under
+        `version`, can feed updates next_update .. version + max_staleness; keep just enough
+        groups for those batches, so none is started that is bound to go stale."""
+        last = self.version + self.cfg.max_staleness
+        if self.cfg.max_updates is not None:
+            last = min(last, self.cfg.max_updates - 1)  # the run's last update
+        usable = last - self.next_update + 1
+        return max(0, usable) * self.cfg.batch_groups
 
     def _next_task(self) -> str:
         """Deficit round robin over task shares: the task furthest below its share goes next."""
@@ -86,15 +108,18 @@ class RolloutScheduler:
                    key=lambda ts: ts[1] / weight * total - self._task_counts[ts[0]])[0]
 
     def fill(self) -> list[Start]:
-        """Start new groups up to capacity under the current version."""
+        """Start new groups up to capacity under the current version, if they can still be used."""
         out: list[Start] = []
         while len(self.groups) < self._capacity():
-            task = self._next_task()
-            gid = f"g{self._next_group}"
-            seed = self._seed_of(task, self._next_group)
+            index = self._next_group
+            if self._namer is not None:
+                gid, task, seed = self._namer(index)
+            else:
+                task = self._next_task()
+                gid, seed = f"g{index}", index
             self._next_group += 1
             self._task_counts[task] += 1
-            g = GroupState(gid, task, seed, self.version)
+            g = GroupState(gid, task, seed, self.version, index // self.cfg.batch_groups)
             self.groups[gid] = g
             for _ in range(self.cfg.group_size + self.cfg.redundancy):
                 out.append(self._launch(g))
@@ -102,12 +127,12 @@ class RolloutScheduler:
         return out
 
     def _launch(self, g: GroupState) -> Start:
-        eid = f"{g.group_id}/e{g.launched}"
+        eid = f"{g.group_id}/m{g.launched}"  # the planned sample id
         g.launched += 1
         g.running.add(eid)
         self.episode_group[eid] = g.group_id
         self.counters["episodes_started"] += 1
-        return Start(eid, g.group_id, g.task, g.seed, g.start_version)
+        return Start(eid, g.group_id, g.task, g.seed, g.start_version, g.iteration)
 
     # ---- episode events ------------------------------------------------------------------
     def on_finished(self, episode_id: str) -> list[Cancel]:
@@ -163,6 +188,7 @@ class RolloutScheduler:
         batch, self.complete = (self.complete[: self.cfg.batch_groups],
                                 self.complete[self.cfg.batch_groups:])
         self.counters["groups_consumed"] += len(batch)
+        self.next_update = update + 1
         return {gid: self.groups.pop(gid).finished for gid in batch}
 
     def _drop_stale(self, update: int) -> list[Cancel]:
@@ -178,6 +204,7 @@ class RolloutScheduler:
         if g.group_id in self.complete:
             self.complete.remove(g.group_id)
         self.counters[f"dropped_{reason}_episodes"] += len(g.finished)
+        self.discarded += [(e, reason) for e in g.finished]
         return [Cancel(e, reason) for e in sorted(g.running)]
 
     def _group_of(self, episode_id: str) -> GroupState | None:

@@ -19,7 +19,10 @@ def test_synchronous_baseline_alpha0_admits_one_batch():
     assert s.take_batch(0) is None  # one of two groups complete
     _finish_group(s, starts, "g1", 2)
     batch = s.take_batch(0)
-    assert batch == {"g0": ["g0/e0", "g0/e1"], "g1": ["g1/e0", "g1/e1"]}
+    assert batch == {"g0": ["g0/m0", "g0/m1"], "g1": ["g1/m0", "g1/m1"]}
+    # Synchronous: nothing starts between taking batch 0 and the engines serving version 1
+    # (it would be stale for update 1 before it could be used).
+    assert s.fill() == []
     s.on_version(1)
     assert {x.version for x in s.fill()} == {1}
 
@@ -36,11 +39,11 @@ def test_staleness_bound_drops_exactly_past_alpha():
     _finish_group(s, second, "g2", 2)
     assert list(s.take_batch(1)) == ["g2"]  # g1 is incomplete; g2 is ready
     cancels = s.on_version(2)  # update 2 - version 0 = 2 > 1: g1 is stale now
-    assert {c.episode_id for c in cancels} == {"g1/e0", "g1/e1"}
+    assert {c.episode_id for c in cancels} == {"g1/m0", "g1/m1"}
     assert {c.reason for c in cancels} == {"stale"}
     assert s.counters["dropped_stale_groups"] == 1
     # A result that arrives for a dropped episode is ignored, not counted twice.
-    assert s.on_finished("g1/e0") == [] and s.counters["late_results"] == 1
+    assert s.on_finished("g1/m0") == [] and s.counters["late_results"] == 1
 
 
 def test_complete_group_that_went_stale_is_dropped_at_take_batch():
@@ -56,25 +59,25 @@ def test_redundancy_keeps_first_finishers_and_cancels_the_rest():
     s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, redundancy=2))
     starts = s.fill()
     assert len(starts) == 4  # group_size + redundancy
-    assert s.on_finished("g0/e3") == []
-    cancels = s.on_finished("g0/e1")
-    assert sorted(c.episode_id for c in cancels) == ["g0/e0", "g0/e2"]
+    assert s.on_finished("g0/m3") == []
+    cancels = s.on_finished("g0/m1")
+    assert sorted(c.episode_id for c in cancels) == ["g0/m0", "g0/m2"]
     assert {c.reason for c in cancels} == {"redundant"}
-    assert s.take_batch(0) == {"g0": ["g0/e3", "g0/e1"]}  # finishing order
+    assert s.take_batch(0) == {"g0": ["g0/m3", "g0/m1"]}  # finishing order
     assert s.counters["cancelled_redundant"] == 2
 
 
 def test_failure_reissues_same_group_and_seed_then_gives_up():
     s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_retries=1),
-                         seed_of=lambda task, i: 100 + i)
+                         group_of=lambda i: (f"g{i}", "default", 100 + i))
     starts = s.fill()
     assert {x.seed for x in starts} == {100}
-    again, cancels = s.on_failed("g0/e0")
+    again, cancels = s.on_failed("g0/m0")
     assert cancels == [] and len(again) == 1
-    assert (again[0].group_id, again[0].seed, again[0].episode_id) == ("g0", 100, "g0/e2")
+    assert (again[0].group_id, again[0].seed, again[0].episode_id) == ("g0", 100, "g0/m2")
     assert s.counters["failed"] == 1 and s.counters["retried"] == 1
-    s.on_failed("g0/e2", timeout=True)  # failure 2 of a budget of 1 * group_size
-    _, cancels = s.on_failed("g0/e3")  # failure 3: budget exceeded, group dropped
+    s.on_failed("g0/m2", timeout=True)  # failure 2 of a budget of 1 * group_size
+    _, cancels = s.on_failed("g0/m3")  # failure 3: budget exceeded, group dropped
     assert s.counters["timeouts"] == 1
     assert "g0" not in s.groups and [c.reason for c in cancels] == ["group_dropped"]
     assert [x.group_id for x in s.fill()] == ["g1", "g1"]  # capacity freed
@@ -85,3 +88,36 @@ def test_task_shares_split_groups():
     starts = RolloutScheduler(cfg).fill()
     tasks = [x.task for x in starts]
     assert tasks.count("a") == 6 and tasks.count("b") == 2
+
+
+def test_async_alpha1_keeps_a_batch_running_while_update_runs():
+    s = RolloutScheduler(SchedulerConfig(group_size=1, batch_groups=1, max_staleness=1))
+    first = s.fill()  # two batches may exist under version 0 (for updates 0 and 1)
+    assert [(x.group_id, x.iteration) for x in first] == [("g0", 0), ("g1", 1)]
+    s.on_finished("g1/m0")  # the later group finishes first: it may feed update 0
+    assert list(s.take_batch(0)) == ["g1"]
+    # Update 0 trains now; g0 keeps running. A group begun now (version 0) could feed update 1
+    # only, which g0 already covers: nothing starts that is bound to go stale.
+    assert s.fill() == []
+    s.on_version(1)
+    assert [(x.group_id, x.version) for x in s.fill()] == [("g2", 1)]
+    s.on_finished("g0/m0")
+    assert list(s.take_batch(1)) == ["g0"]  # 1 - 0 <= 1
+    for v in range(2, 6):  # steady state: each update takes the batch begun one version ago
+        s.on_version(v)
+        started = s.fill()
+        s.on_finished(f"g{v}/m0")
+        assert list(s.take_batch(v)) == [f"g{v}"] and len(started) == 1
+    assert s.counters["dropped_stale_groups"] == 0
+
+
+def test_group_namer_and_discarded_finishers_of_a_dropped_group():
+    names = lambda i: (f"task/i{i // 2}/g{i % 2}", "task", 7)  # noqa: E731
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=2, max_staleness=0),
+                         group_of=names)
+    starts = s.fill()
+    assert [x.episode_id for x in starts][:2] == ["task/i0/g0/m0", "task/i0/g0/m1"]
+    s.on_finished("task/i0/g1/m0")  # one of two members finished
+    s.version = 1  # the engines moved on: the group is stale at update 1
+    s.take_batch(1)
+    assert s.discarded == [("task/i0/g1/m0", "stale")]

@@ -1,0 +1,88 @@
+"""Env hosts: where environments live while the rollout service runs their episodes.
+
+`EnvHost` holds the live envs of one process (open / step / close by episode id). In a Dask run
+each CPU-class worker holds one `EnvHostService` actor around it. Its methods are coroutines, so
+they run on the worker's event loop and hand the env call to the host's own thread pool: many
+episodes step at once, and an env that hangs ties up one pool thread, never the worker (Dask
+runs a worker's ordinary actor methods on a single thread). The rollout service enforces the
+per-call timeout (`rollout.env_timeout_s`) on its side, so the same rule holds for in-process
+hosts and for a host whose worker died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rollart.config import RunConfig, TaskConfig, config_from_dict
+from rollart.envs import make_env
+from rollart.envs.wrappers import injected_counts
+
+StepResult = tuple[str, float, bool, bool, dict[str, Any]]
+
+
+class EnvHost:
+    """The envs of one process, keyed by episode id. Thread-safe; each env is used by one
+    episode at a time."""
+
+    def __init__(self, tasks: list[TaskConfig]) -> None:
+        self.tasks = {t.name: t for t in tasks}
+        self.envs: dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self.opened = 0
+
+    def open(self, episode_id: str, task: str, seed: int) -> tuple[str, str]:
+        """Build and reset the env; returns (system prompt, first observation)."""
+        env = make_env(self.tasks[task])
+        with self.lock:
+            self.envs[episode_id] = env
+            self.opened += 1
+        obs, _ = env.reset(seed=seed)
+        return env.system_prompt, obs
+
+    def step(self, episode_id: str, text: str) -> StepResult:
+        with self.lock:
+            env = self.envs[episode_id]
+        return env.step(text)
+
+    def close(self, episode_id: str) -> None:
+        with self.lock:
+            env = self.envs.pop(episode_id, None)
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # closing a broken env must not cost anything more
+                pass
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            live = len(self.envs)
+        return {"live_envs": live, "opened": self.opened, "injected": injected_counts()}
+
+
+class EnvHostService:
+    """Dask actor: an EnvHost on a CPU-class worker (async methods, own thread pool)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        run: RunConfig = config_from_dict(cfg)
+        self.host = EnvHost(run.tasks)
+        self.pool = ThreadPoolExecutor(run.rollout.env_host_threads, thread_name_prefix="env")
+
+    async def _run(self, fn, *args):  # noqa: ANN001, ANN202
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def open(self, episode_id: str, task: str, seed: int) -> tuple[str, str]:
+        return await self._run(self.host.open, episode_id, task, seed)
+
+    async def step(self, episode_id: str, text: str) -> StepResult:
+        return await self._run(self.host.step, episode_id, text)
+
+    async def close(self, episode_id: str) -> None:
+        return await self._run(self.host.close, episode_id)
+
+    async def stats(self) -> dict[str, Any]:
+        from rollart.services import worker_identity
+
+        return {**self.host.stats(), **worker_identity()}

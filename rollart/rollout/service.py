@@ -1,0 +1,460 @@
+"""The rollout service: episodes keep flowing across iteration boundaries, bounded staleness.
+
+One long-lived object per run (a Dask actor on a CPU-class worker, or a plain object in local
+runs). The pure `RolloutScheduler` decides which groups start, which finishers are kept and
+which episodes are cancelled or re-issued; this module only carries those decisions out:
+
+    episode thread  (one per live episode: the env manager of that episode)
+        open env on an env host -> [generate on its engine -> step env]* -> score reward
+    batcher thread  (one per engine replica)
+        drains queued turn requests of all episodes into one `generate` call (turn-level
+        continuous batching), so episodes are independent and never wait for a batch barrier
+    watchdog thread
+        fails an env call that runs past `rollout.env_timeout_s` (a hung env costs one episode)
+
+Rewards are scored the moment an episode ends; a group is complete when `group_size` members
+are scored. The trainer takes complete groups with `take_batch(update)`, and after each update
+the engines switch weights between two `generate` calls (requests in flight finish on the old
+version, which every token records) and `set_version` lets the scheduler drop what went stale.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollart.config import RunConfig
+from rollart.metrics import rollout_metrics
+from rollart.models.chat import ChatFormat
+from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
+from rollart.rollout.plan import group_seed, split_by_share
+from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
+from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
+
+Drop = tuple[str, int, str]  # (sample id, iteration, reason) for the sample ledger
+
+
+def call(handle: Any, method: str, *args: Any) -> Any:
+    """A Dask actor call (returns a future) or a plain method call, uniformly."""
+    out = getattr(handle, method)(*args)
+    return out.result() if hasattr(out, "result") and callable(out.result) else out
+
+
+class EpisodeCancelled(Exception):
+    """The episode was cancelled (redundant, stale, timed out) while its request was queued."""
+
+
+def plan_namer(cfg: RunConfig) -> Callable[[int], tuple[str, str, int]]:
+    """Group index k -> the planned group of iteration k // num_groups (same ids and seeds as
+    `plan_iteration`, so ledgers and shards read the same in synchronous and async runs)."""
+    counts = split_by_share(cfg.rollout.num_groups, [t.share for t in cfg.tasks])
+    slots = [(task, g) for task, n in zip(cfg.tasks, counts, strict=True) for g in range(n)]
+
+    def name(index: int) -> tuple[str, str, int]:
+        iteration, slot = divmod(index, cfg.rollout.num_groups)
+        task, g = slots[slot]
+        return f"{task.name}/i{iteration}/g{g}", task.name, group_seed(cfg, task, iteration, g)
+
+    return name
+
+
+@dataclass
+class _Live:
+    start: Start
+    engine: int
+    host: int
+    cancelled: bool = False
+    deadline: float | None = None  # monotonic time an env call in progress must end by
+
+    @property
+    def id(self) -> str:
+        return self.start.episode_id
+
+
+class _Batcher:
+    """Batches the turns of many episodes for one engine replica: continuous (whatever is
+    ready goes), or lockstep when `members` is given (wait for a turn of each of the `members()`
+    live episodes on this engine; requests sorted by id, so batches are deterministic)."""
+
+    def __init__(self, engine: Any, max_batch: int, wait_s: float,
+                 members: Callable[[], int] | None = None) -> None:
+        self.engine, self.max_batch, self.wait_s = engine, max_batch, wait_s
+        self.members = members
+        self.queue: deque[tuple[GenerationRequest, Future, _Live]] = deque()
+        self.cv = threading.Condition()
+        self.busy_s = 0.0
+        self.calls = 0
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+
+    def generate(self, request: GenerationRequest, live: _Live) -> Completion:
+        fut: Future[Completion] = Future()
+        with self.cv:
+            self.queue.append((request, fut, live))
+            self.cv.notify()
+        return fut.result()
+
+    def _ready(self) -> bool:
+        if not self.queue:
+            return False
+        return self.members is None or len(self.queue) >= min(self.members(), self.max_batch)
+
+    def stop(self) -> None:
+        """Fail queued turns, let the call in progress finish, end the thread."""
+        with self.cv:
+            self.stopping = True
+            while self.queue:
+                self.queue.popleft()[1].set_exception(EpisodeCancelled())
+            self.cv.notify_all()
+        if self.thread is not None and self.thread.is_alive():
+            self.thread.join(timeout=30.0)
+
+    def loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self.stopping and not self._ready():
+                    self.cv.wait(0.01 if self.members else None)
+                if self.stopping:
+                    return
+            if not self.members and self.wait_s and len(self.queue) < self.max_batch:
+                time.sleep(self.wait_s)  # let the other episodes' turns join this batch
+            with self.cv:
+                if self.stopping:
+                    return
+                queued = sorted(self.queue, key=lambda x: x[0].request_id)
+                items = queued[: self.max_batch]
+                self.queue = deque(queued[self.max_batch:])
+            for _, fut, live in items:
+                if live.cancelled:
+                    fut.set_exception(EpisodeCancelled())
+            items = [x for x in items if not x[2].cancelled]
+            if not items:
+                continue
+            t0 = time.perf_counter()
+            try:
+                out = call(self.engine, "generate", [r for r, _, _ in items])
+            except Exception as err:  # an engine failure fails these turns' episodes
+                for _, fut, _ in items:
+                    fut.set_exception(err)
+                continue
+            finally:
+                self.busy_s += time.perf_counter() - t0
+                self.calls += 1
+            for (_, fut, _), comp in zip(items, out, strict=True):
+                fut.set_result(comp)
+
+
+class _HostedEnv:
+    """The Env interface over an env host handle; arms the watchdog around every call."""
+
+    def __init__(self, svc: RolloutService, live: _Live) -> None:
+        self.svc, self.live = svc, live
+        self.system_prompt = ""
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self.live.deadline = time.monotonic() + self.svc.cfg.rollout.env_timeout_s
+        try:
+            return call(self.svc.hosts[self.live.host], method, *args)
+        except OSError:  # the host's worker is gone: route new episodes around it
+            self.svc.host_lost(self.live.host)
+            raise
+        finally:
+            self.live.deadline = None
+
+    def reset(self, seed: int) -> tuple[str, dict]:
+        self.system_prompt, obs = self._call("open", self.live.id, self.live.start.task, seed)
+        return obs, {}
+
+    def step(self, text: str) -> tuple[str, float, bool, bool, dict]:
+        return self._call("step", self.live.id, text)
+
+    def close(self) -> None:
+        if self.svc.hosts_alive[self.live.host]:
+            try:
+                call(self.svc.hosts[self.live.host], "close", self.live.id)
+            except Exception:  # best effort: the episode is over either way
+                pass
+
+
+@dataclass
+class _Totals:
+    counters: Counter[str] = field(default_factory=Counter)
+    drops: list[Drop] = field(default_factory=list)  # handed to the trainer with the next batch
+
+
+class RolloutService:
+    def __init__(self, cfg: RunConfig, chat: ChatFormat, engines: list[Any], hosts: list[Any],
+                 reward_client: Any, params: dict[str, SamplingParams], version: int = 0,
+                 max_context: int = 1024) -> None:
+        r = cfg.rollout
+        self.cfg, self.chat, self.reward, self.params = cfg, chat, reward_client, params
+        self.hosts, self.hosts_alive = hosts, [True] * len(hosts)
+        self.max_context = max_context
+        self.tasks = {t.name: t for t in cfg.tasks}
+        self.sched = RolloutScheduler(
+            SchedulerConfig(group_size=r.group_size, batch_groups=r.num_groups,
+                            max_staleness=r.max_staleness, redundancy=r.redundancy,
+                            max_retries=r.max_retries, max_updates=cfg.iterations,
+                            task_shares=tuple((t.name, t.share) for t in cfg.tasks)),
+            version=version, group_of=plan_namer(cfg), first_group=version * r.num_groups)
+        lockstep = r.batching == "lockstep"
+        self.batchers = [
+            _Batcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
+                     (lambda i=i: self._members(i)) if lockstep else None)
+            for i, e in enumerate(engines)]
+        self.live: dict[str, _Live] = {}
+        self.done: dict[str, Trajectory] = {}
+        self.totals = _Totals()
+        self.lock = threading.Condition()
+        self.fatal: BaseException | None = None
+        self.recent_errors: deque[str] = deque(maxlen=20)  # for the run's logs and stats
+        self._probing: set[int] = set()
+        self._seq = itertools.count()
+        self._launched: dict[str, int] = {}  # episode id -> launch sequence number
+        self.stopping = False
+        self.started_at = time.perf_counter()
+        # Threads run in a copy of the creator's context: on a Dask worker that carries the
+        # worker, which actor handles need to reach their workers from our threads.
+        self._context = contextvars.copy_context()
+        self._watchdog = self._spawn(self._watch, name="rollout-watch", start=False)
+
+    def _spawn(self, target: Callable[..., None], *args: Any, name: str,
+               start: bool = True) -> threading.Thread:
+        t = threading.Thread(target=self._context.copy().run, args=(target, *args),
+                             daemon=True, name=name)
+        if start:
+            t.start()
+        return t
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        for b in self.batchers:
+            b.thread = self._spawn(b.loop, name="rollout-batcher")
+        self._watchdog.start()
+        with self.lock:
+            self._fill()
+
+    def stop(self) -> dict[str, Any]:
+        with self.lock:
+            self.stopping = True
+            for live in self.live.values():
+                live.cancelled = True
+            self.live.clear()
+        for b in self.batchers:
+            b.stop()
+        self._watchdog.join(timeout=1.0)
+        return self.stats()
+
+    # ---- the trainer's side ----------------------------------------------------------------
+    def try_take(self, update: int) -> tuple[list[Trajectory], dict[str, Any]] | None:
+        """The trajectories of `num_groups` complete groups for update `update`, or None."""
+        with self.lock:
+            if self.fatal is not None:
+                raise RuntimeError(f"rollout service failed: {self.fatal}") from self.fatal
+            batch = self.sched.take_batch(update)
+            self._record_discarded()
+            self._fill()
+            if batch is None:
+                return None
+            # Launch order, not finishing order: the update (and the ledger) must not depend on
+            # which episode happened to finish first.
+            kept = sorted((e for members in batch.values() for e in members),
+                          key=self._launched.pop)
+            trajs = [self.done.pop(e) for e in kept]
+            drops, self.totals.drops = self.totals.drops, []
+            return trajs, {"dropped": drops, "metrics": self._metrics(trajs)}
+
+    def take_batch(self, update: int, timeout: float | None = None
+                   ) -> tuple[list[Trajectory], dict[str, Any]]:
+        t0 = time.perf_counter()
+        while True:
+            out = self.try_take(update)
+            if out is not None:
+                out[1]["metrics"]["rollout/wait_s"] = time.perf_counter() - t0
+                return out
+            if timeout is not None and time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"no complete batch for update {update} in {timeout} s")
+            with self.lock:
+                self.lock.wait(0.05)
+
+    def set_version(self, version: int) -> None:
+        """The engines now serve `version`: drop what went stale, start what may now start."""
+        with self.lock:
+            self._cancel(self.sched.on_version(version))
+            self._record_discarded()
+            self._fill()
+
+    # ---- episodes ----------------------------------------------------------------------------
+    def _members(self, engine: int) -> int:
+        with self.lock:
+            return sum(1 for x in self.live.values() if x.engine == engine)
+
+    def _fill(self) -> None:
+        if not self.stopping and self.fatal is None:
+            self._launch(self.sched.fill())
+
+    def _launch(self, starts: list[Start]) -> None:
+        alive = [i for i, ok in enumerate(self.hosts_alive) if ok]
+        if starts and not alive:
+            self.fatal = RuntimeError("every env host is lost (their workers died)")
+            self.lock.notify_all()
+            return
+        for st in starts:
+            on_engine = Counter(x.engine for x in self.live.values())
+            on_host = Counter(x.host for x in self.live.values())
+            live = _Live(st, engine=min(range(len(self.batchers)), key=lambda i: on_engine[i]),
+                         host=min(alive, key=lambda i: on_host[i]))
+            self.live[st.episode_id] = live
+            self._launched[st.episode_id] = next(self._seq)
+            self._spawn(self._run, live, name=f"episode {st.episode_id}")
+
+    def _run(self, live: _Live) -> None:
+        st = live.start
+        params = self.params[st.task]
+        spec = EpisodeSpec(self.tasks[st.task], st.seed, st.group_id, st.episode_id, st.iteration)
+        env = _HostedEnv(self, live)
+        ep = start_episode(spec, self.chat, lambda task: env)
+        ep.traj.allowed_token_ids = params.allowed_token_ids
+        try:
+            while not ep.done and not live.cancelled:
+                req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",
+                                        list(ep.traj.token_ids), params)
+                t0 = time.perf_counter()
+                comp = self.batchers[live.engine].generate(req, live)
+                ep.timings["generate_s"] += time.perf_counter() - t0
+                if not live.cancelled:
+                    apply_completion(ep, comp, self.chat, self.max_context, params.max_new_tokens)
+        except EpisodeCancelled:
+            pass
+        except Exception as err:  # engine failure: costs this episode
+            ep.traj.error = f"generate: {type(err).__name__}: {err}"
+        env.close()
+        ep.traj.timings.update(ep.timings)
+        if live.cancelled:
+            return  # already accounted for by whoever cancelled it
+        if ep.traj.error is None:
+            self._score(live, ep.traj)
+        else:
+            self.recent_errors.append(f"{live.id}: {ep.traj.error}")
+            self._failed(live, "env_error", timeout=False)
+
+    def _score(self, live: _Live, traj: Trajectory) -> None:
+        try:
+            self.reward.submit(traj).result()
+        except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
+            with self.lock:
+                self.fatal = err
+                self.lock.notify_all()
+            return
+        with self.lock:
+            if live.cancelled or self.live.pop(live.id, None) is None:
+                return
+            self.done[live.id] = traj
+            self._cancel(self.sched.on_finished(live.id))
+            group = self.sched.groups.get(live.start.group_id)
+            if group is None or live.id not in group.finished:  # its group went away meanwhile
+                self.done.pop(live.id)
+                self._drop(live.start, "late")
+            self.lock.notify_all()
+            self._fill()
+
+    def _failed(self, live: _Live, reason: str, timeout: bool) -> None:
+        with self.lock:
+            if self.live.pop(live.id, None) is None:
+                return
+            live.cancelled = True  # the scheduler counts it (failed / timeouts)
+            self._drop(live.start, reason)
+            starts, cancels = self.sched.on_failed(live.id, timeout=timeout)
+            self._cancel(cancels)
+            self._launch(starts)
+            self._fill()
+
+    def _cancel(self, cancels: list[Cancel]) -> None:
+        for c in cancels:
+            live = self.live.pop(c.episode_id, None)
+            if live is not None:
+                live.cancelled = True
+                if c.reason != "redundant":  # the scheduler counts redundant cancels itself
+                    self.totals.counters[f"cancelled_{c.reason}"] += 1
+                self._drop(live.start, c.reason)
+
+    def _drop(self, st: Start, reason: str) -> None:
+        self._launched.pop(st.episode_id, None)
+        self.totals.drops.append((st.episode_id, st.iteration, reason))
+
+    def _record_discarded(self) -> None:
+        for eid, reason in self.sched.discarded:
+            traj = self.done.pop(eid, None)
+            self._launched.pop(eid, None)
+            self.totals.drops.append((eid, traj.iteration if traj else -1, reason))
+        self.sched.discarded.clear()
+
+    def host_lost(self, index: int) -> None:
+        """Route around a lost host; its episodes fail now (and are re-issued elsewhere)."""
+        with self.lock:
+            if not self.hosts_alive[index]:
+                return
+            self.hosts_alive[index] = False
+            self.totals.counters["hosts_lost"] += 1
+            self.recent_errors.append(f"env host {index} lost")
+            stranded = [x for x in self.live.values() if x.host == index]
+        for live in stranded:
+            self._failed(live, "host_lost", timeout=False)
+
+    def _probe(self, index: int) -> None:
+        """After a timeout: is the host itself still there? (A call to an actor whose worker
+        died can hang instead of raising, so a short liveness call decides.)"""
+        try:
+            out = self.hosts[index].stats()
+            if hasattr(out, "result"):
+                out.result(timeout=min(5.0, self.cfg.rollout.env_timeout_s))
+        except Exception:
+            self.host_lost(index)
+        finally:
+            self._probing.discard(index)
+
+    def _watch(self) -> None:
+        while not self.stopping:
+            time.sleep(0.05)
+            now = time.monotonic()
+            for live in list(self.live.values()):
+                if live.deadline is not None and now > live.deadline:
+                    self._failed(live, "timeout", timeout=True)
+                    if live.host not in self._probing and self.hosts_alive[live.host]:
+                        self._probing.add(live.host)
+                        self._spawn(self._probe, live.host, name="rollout-probe")
+
+    # ---- metrics -------------------------------------------------------------------------
+    def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
+        m = rollout_metrics(trajs)
+        c = self.totals.counters + self.sched.counters
+        for key in ("failed", "timeouts", "retried", "cancelled_redundant", "cancelled_stale",
+                    "cancelled_group_dropped", "dropped_stale_groups", "hosts_lost",
+                    "late_results"):
+            m[f"rollout/{key}"] = float(c[key])
+        stale = c["cancelled_stale"] + c["dropped_stale_episodes"]
+        m["rollout/dropped_stale_episodes"] = float(stale)
+        m["rollout/in_flight"] = float(len(self.live))
+        m["rollout/groups_ready"] = float(len(self.sched.complete))
+        versions = [t.turns[0].weight_version for t in trajs if t.turns]
+        if versions:
+            m["rollout/start_version_min"] = float(min(versions))
+        m["perf/engine_busy_s"] = sum(b.busy_s for b in self.batchers)
+        m["perf/rollout_elapsed_s"] = time.perf_counter() - self.started_at
+        return m
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            c = self.totals.counters + self.sched.counters
+            return {"counters": dict(c), "in_flight": len(self.live),
+                    "engine_busy_s": [b.busy_s for b in self.batchers],
+                    "engine_calls": [b.calls for b in self.batchers],
+                    "hosts_alive": list(self.hosts_alive),
+                    "recent_errors": list(self.recent_errors)}
