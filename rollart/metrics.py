@@ -37,6 +37,7 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "rollout") -> dict[st
         for name, ts in by_task.items():
             out[f"{prefix}/{name}/success_rate"] = _mean([float(t.success) for t in ts])
             out[f"{prefix}/{name}/env_return"] = _mean([t.env_return for t in ts])
+            out[f"{prefix}/{name}/episodes"] = float(len(ts))  # its share of the batch
     return out
 
 

@@ -180,13 +180,15 @@ class RolloutScheduler:
         return self._drop_stale(update=version)
 
     def take_batch(self, update: int) -> dict[str, list[str]] | None:
-        """{group id: kept episode ids} for update `update` (oldest complete groups first), or
+        """{group id: kept episode ids} for update `update` (complete groups begun under the
+        oldest version first, then in completion order), or
         None if not enough are complete yet. Stale groups are dropped and counted first."""
         self._drop_stale(update)
         if len(self.complete) < self.cfg.batch_groups:
             return None
-        batch, self.complete = (self.complete[: self.cfg.batch_groups],
-                                self.complete[self.cfg.batch_groups:])
+        # Oldest policy version first (they go stale first), then completion order.
+        ready = sorted(self.complete, key=lambda gid: self.groups[gid].start_version)
+        batch, self.complete = ready[: self.cfg.batch_groups], ready[self.cfg.batch_groups:]
         self.counters["groups_consumed"] += len(batch)
         self.next_update = update + 1
         return {gid: self.groups.pop(gid).finished for gid in batch}

@@ -1,0 +1,116 @@
+"""What does trajectory-level asynchrony buy? The same multi-task workload, synchronous vs async.
+
+Two tasks share every batch: FrozenLake, and FrozenLake behind a heavy-tailed step latency (the
+stand-in for slow tools and sandboxes: lognormal steps plus rare Pareto stalls). Episodes end
+after 1-8 turns, so generation per episode is long-tailed too. The variants run one after the
+other in this process, with the same seeds and iteration count, through the same rollout
+service (rollart/rollout/service.py) and local loop as every run:
+
+    sync     max_staleness 0, lockstep batching  (generate a batch, wait for all, train)
+    sync_c   max_staleness 0, continuous batching (no batch barrier per turn, still no overlap)
+    async1   max_staleness 1, continuous          (the next batch runs while the trainer trains)
+    async2   max_staleness 2, continuous
+
+Reported per variant: wall time, final reward (mean train reward of the last `--tail`
+iterations) and greedy eval success, and idle fractions: trainer = 1 - update time / wall,
+engine = 1 - time inside `generate` / wall. `speedup` = sync wall / async1 wall.
+
+Writes results/async_vs_sync.json and prints one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollart.config import load_config  # noqa: E402
+from rollart.local_loop import run_local  # noqa: E402
+
+VARIANTS = {
+    "sync": ["rollout.max_staleness=0", "rollout.batching=lockstep"],
+    "sync_c": ["rollout.max_staleness=0", "rollout.batching=continuous"],
+    "async1": ["rollout.max_staleness=1", "rollout.batching=continuous"],
+    "async2": ["rollout.max_staleness=2", "rollout.batching=continuous"],
+}
+
+SLOW = "{median_s: 0.02, sigma: 0.5, tail_prob: 0.05, tail_s: 0.4, tail_alpha: 1.5}"
+
+
+def workload(iterations: int, root: str) -> list[str]:
+    task = ("{{name: {name}, env_id: FrozenLake-v1, env_kwargs: {{map_name: 4x4, "
+            "is_slippery: false}}, max_turns: 8, format_credit: action, constrained: true, "
+            "seeds: fixed{extra}}}")
+    tasks = [task.format(name="lake", extra=""),
+             task.format(name="lake-slowtool", extra=f", latency: {SLOW}")]
+    return [f"iterations={iterations}", f"tasks=[{', '.join(tasks)}]",
+            "rollout.num_groups=4", "rollout.group_size=8", "reward.backend=local",
+            "eval.episodes=32", "eval.every=0", f"storage.root={root}",
+            "storage.save_every=100000", "storage.shards=false", "train.lr=0.002"]
+
+
+def run_variant(name: str, iterations: int, root: str, tail: int) -> dict:
+    cfg = load_config("configs/default.yaml", workload(iterations, root) + VARIANTS[name])
+    t0 = time.perf_counter()
+    out = run_local(cfg, f"{name}-{int(time.time())}",
+                    on_iteration=lambda r: print(name, r, flush=True))
+    wall = time.perf_counter() - t0
+    curve = out["curve"]
+    update_s = sum(m["perf/update_s"] for m in curve)
+    engine_s = sum(out["rollout"]["engine_busy_s"])
+    last = curve[-tail:]
+    return {
+        "wall_s": wall,
+        "final_reward": sum(m["reward/mean"] for m in last) / len(last),
+        "final_success": sum(m["rollout/success_rate"] for m in last) / len(last),
+        "eval_success": curve[-1].get("eval/success_rate"),
+        "trainer_idle_frac": 1 - update_s / wall,
+        "engine_idle_frac": 1 - engine_s / wall,
+        "trainer_wait_s": sum(m.get("rollout/wait_s", 0.0) for m in curve),
+        "dropped_stale_episodes": curve[-1].get("rollout/dropped_stale_episodes", 0.0),
+        "episodes_consumed": sum(m["rollout/episodes"] for m in curve),
+        # Stragglers that go stale are dropped: does the slow task keep its share of batches?
+        "slow_task_share": sum(m.get("rollout/lake-slowtool/episodes", 0.0) for m in curve)
+        / sum(m["rollout/episodes"] for m in curve),
+        "max_token_staleness": max(m.get("train/staleness_max", 0.0) for m in curve),
+        "reward_curve": [round(m["reward/mean"], 4) for m in curve],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=40)
+    ap.add_argument("--tail", type=int, default=10, help="iterations averaged for final reward")
+    ap.add_argument("--variants", default="sync,async1,async2", help="also: sync_c")
+    ap.add_argument("--out", default="results/async_vs_sync.json")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="rollart-async-")
+    res = {v: run_variant(v, args.iterations, root, args.tail) for v in args.variants.split(",")}
+    sync, fast = res["sync"], res.get("async1", {})
+    out = {
+        "iterations": args.iterations,
+        "workload": workload(args.iterations, "<tmp>"),
+        "variants": res,
+        "sync_wall_s": sync["wall_s"],
+        "async_wall_s": fast.get("wall_s"),
+        "speedup": sync["wall_s"] / fast["wall_s"] if fast else None,
+        "speedup_by_variant": {k: sync["wall_s"] / v["wall_s"] for k, v in res.items()},
+        "sync_final_reward": sync["final_reward"],
+        "async_final_reward": fast.get("final_reward"),
+        "final_reward_gap": abs(sync["final_reward"] - fast["final_reward"]) if fast else None,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"async_vs_sync: speedup={out['speedup']:.2f} (sync {sync['wall_s']:.0f} s, "
+          f"async1 {fast['wall_s']:.0f} s, same {args.iterations} iterations) "
+          f"final_reward sync={sync['final_reward']:.3f} async1={fast['final_reward']:.3f} "
+          f"by_variant={ {k: round(v, 2) for k, v in out['speedup_by_variant'].items()} }")
+
+
+if __name__ == "__main__":
+    main()
