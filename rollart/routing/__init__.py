@@ -7,6 +7,7 @@ from rollart.routing.catalog import (
     default_catalog,
     emulated_class,
     emulation_slowdowns,
+    host_matched_slowdowns,
 )
 from rollart.routing.profile import TaskProfiles
 from rollart.routing.router import (
@@ -34,4 +35,5 @@ __all__ = [
     "default_catalog",
     "emulated_class",
     "emulation_slowdowns",
+    "host_matched_slowdowns",
 ]

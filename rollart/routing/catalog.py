@@ -109,12 +109,41 @@ def emulation_slowdowns(classes: Iterable[HardwareClass]) -> dict[str, Slowdown]
     return {c.name: Slowdown(prefill=fmax / c.flops, decode=bmax / c.bandwidth) for c in cs}
 
 
-def emulated_class(real: HardwareClass, host_tflops: float, host_bw_gbs: float,
+def host_matched_slowdowns(classes: Iterable[HardwareClass], flops_per_token: float,
+                           bytes_per_token: float, host_prefill_s: float, host_decode_s: float,
+                           dilation: float = 1.0) -> dict[str, Slowdown]:
+    """Per-class slowdowns that make the host play each class *as a scaled copy of the GPU*,
+    not as a scaled copy of the host.
+
+    `emulation_slowdowns` keeps the host's own prefill:decode cost ratio, and a CPU decodes
+    cheaply relative to prefill (per token, ~1:3 here vs ~1:37 on an H800 at decode batch 8), so
+    decode-heavy work would look prefill-bound. Here each phase's emulated per-token time is the
+    class's cost-model time times one common scale s:
+
+        prefill(c) = s * flops_per_token / FLOP/s(c) / host_prefill_s
+        decode(c)  = s * bytes_per_token / bandwidth(c) / host_decode_s
+
+    host_prefill_s / host_decode_s: measured host seconds per prefill token and per decode token
+    (at the same decode batch as bytes_per_token assumes). s is chosen so that the smallest
+    factor over both phases and all classes equals `dilation` (>= 1), since emulation can only
+    slow down."""
+    cs = list(classes)
+    raw = {c.name: (flops_per_token / c.flops / host_prefill_s,
+                    bytes_per_token / c.bandwidth / host_decode_s) for c in cs}
+    if not raw:
+        return {}
+    s = max(dilation, 1.0) / min(min(p, d) for p, d in raw.values())
+    return {n: Slowdown(prefill=p * s, decode=d * s) for n, (p, d) in raw.items()}
+
+
+def emulated_class(real: HardwareClass, flops_per_token: float, bytes_per_token: float,
+                   host_prefill_s: float, host_decode_s: float,
                    slowdown: Slowdown) -> HardwareClass:
-    """The class as the emulation realises it on this host: the host's *measured* effective
-    throughput divided by the class's slowdown. The router's cost model is then in host seconds."""
+    """The class as an emulated host replica realises it, in the cost model's units: effective
+    FLOP/s and bytes/s = per-token work / (measured host time per token x slowdown). A router
+    built on these classes estimates emulated seconds."""
     return real.model_copy(update={
         "name": f"{real.name}-emu",
-        "peak_tflops": host_tflops / slowdown.prefill,
-        "mem_bw_gbs": host_bw_gbs / slowdown.decode,
+        "peak_tflops": flops_per_token / (host_prefill_s * slowdown.prefill) / 1e12,
+        "mem_bw_gbs": bytes_per_token / (host_decode_s * slowdown.decode) / 1e9,
     })

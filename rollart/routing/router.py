@@ -12,6 +12,12 @@ engine caches prefixes) and new + context tokens anywhere else (cache miss).
 
 A replica's wait is the estimated service time of the requests routed to it and not yet finished.
 
+Online correction: peak figures are never reached (MFU/MBU, attention, padding, host overheads),
+and by different amounts per replica. When the caller reports a finished engine batch
+(`on_batch(replica, request_ids, busy_s)`), the replica's scale becomes an EMA of measured busy
+time / estimated time of that batch, and every estimate for the replica is multiplied by it. One
+scalar per replica: it learns the replica's dominant phase best (the one affinity sends it).
+
 Policies (what a new episode, or a spilled one, gets):
   affinity      argmin over healthy replicas of wait + service_s on that replica's class
   round_robin   the next healthy replica in a fixed rotation
@@ -91,17 +97,20 @@ class Decision:
 class _Replica:
     spec: ReplicaSpec
     failed: bool = False
-    outstanding: dict[str, float] = field(default_factory=dict)  # request id -> est service s
+    outstanding: dict[str, float] = field(default_factory=dict)  # request id -> raw est s
+    scale: float = 1.0  # measured / estimated time, learned from finished batches
+    batches: int = 0
 
     @property
     def wait_s(self) -> float:
-        return sum(self.outstanding.values(), 0.0)
+        return self.scale * sum(self.outstanding.values(), 0.0)
 
 
 class Router:
     def __init__(self, replicas: list[ReplicaSpec], cost: CostModel, *,
                  policy: Policy = "affinity", sticky: bool = True,
-                 imbalance_threshold_s: float = 1.0, prefix_cache: bool = True):
+                 imbalance_threshold_s: float = 1.0, prefix_cache: bool = True,
+                 correction_alpha: float = 0.3):
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {POLICIES}")
         if not replicas:
@@ -116,6 +125,8 @@ class Router:
         self.sticky = sticky
         self.imbalance_threshold_s = imbalance_threshold_s
         self.prefix_cache = prefix_cache
+        self.correction_alpha = correction_alpha  # 0 disables the online correction
+        self._raw: dict[str, float] = {}  # outstanding request id -> raw estimate (for on_batch)
         self._replicas: dict[str, _Replica] = {r.replica_id: _Replica(r) for r in replicas}
         self._order = ids  # round-robin rotation order
         self._rr = 0
@@ -142,6 +153,9 @@ class Router:
     def service_s(self, req: RouteRequest, replica_id: str) -> float:
         """Estimated service time of `req` on `replica_id` (a cache hit only on the episode's
         home replica, and only when the engines cache prefixes)."""
+        return self._replicas[replica_id].scale * self._raw_service_s(req, replica_id)
+
+    def _raw_service_s(self, req: RouteRequest, replica_id: str) -> float:
         hit = self.prefix_cache and self._home.get(req.episode_id) == replica_id
         prefill = req.new_tokens + (0 if hit else req.context_tokens)
         return self.cost.service_s(self._replicas[replica_id].spec.hw, prefill, req.decode_tokens)
@@ -175,9 +189,11 @@ class Router:
                     cands = [i for i in healthy if i != home]
                 choice = self._pick(req, cands)
                 reason = "sticky" if choice == home else "spill"
-        est = self.service_s(req, choice)
+        raw = self._raw_service_s(req, choice)
+        est = raw * self._replicas[choice].scale
         wait = self.wait_s(choice)
-        self._replicas[choice].outstanding[req.request_id] = est
+        self._replicas[choice].outstanding[req.request_id] = raw
+        self._raw[req.request_id] = raw
         self._where[req.request_id] = choice
         self._home[req.episode_id] = choice
         self._counts[reason] += 1
@@ -188,8 +204,21 @@ class Router:
     def on_finished(self, request_id: str) -> None:
         """The completion is back (or the request was aborted): its work leaves the queue."""
         rid = self._where.pop(request_id, None)
+        self._raw.pop(request_id, None)
         if rid is not None:
             self._replicas[rid].outstanding.pop(request_id, None)
+
+    def on_batch(self, replica_id: str, request_ids: list[str], busy_s: float) -> None:
+        """An engine call on `replica_id` served `request_ids` in `busy_s` seconds: update the
+        replica's measured/estimated scale. Call it before their `on_finished`."""
+        raw = sum(self._raw.pop(r, 0.0) for r in request_ids)
+        rep = self._replicas[replica_id]
+        if raw <= 0.0 or busy_s <= 0.0 or self.correction_alpha <= 0.0:
+            return
+        ratio = min(max(busy_s / raw, 1e-3), 1e3)
+        rep.scale = ratio if rep.batches == 0 else rep.scale + self.correction_alpha * (
+            ratio - rep.scale)
+        rep.batches += 1
 
     def on_episode_end(self, episode_id: str) -> None:
         self._home.pop(episode_id, None)
@@ -202,6 +231,7 @@ class Router:
         lost = list(rep.outstanding)
         for r in lost:
             self._where.pop(r, None)
+            self._raw.pop(r, None)
         rep.outstanding.clear()
         return lost
 
@@ -231,4 +261,5 @@ class Router:
             out[f"router/routed/{rid}"] = self._routed[rid]
             out[f"router/wait_s/{rid}"] = rep.wait_s
             out[f"router/failed/{rid}"] = float(rep.failed)
+            out[f"router/scale/{rid}"] = rep.scale
         return out
