@@ -1,27 +1,34 @@
 """Hardware-affinity routing on emulated H800-like and H20-like engine pools, in one process.
 
-Two HF engine replicas of the same random-init Llama run on this CPU host, one thread each
-(torch 1 thread each). Emulation (rollart.engines.hf, `emulate=`) makes them behave like the two
-classes relative to each other: factors from the catalog (rollart.routing.emulation_slowdowns),
-H800-like = prefill x1, decode x4000/3350 = 1.19; H20-like = prefill x989/148 = 6.68, decode x1.
+Two HF engine replicas of the same random-init Llama (~0.5M params) run on this CPU host, one
+thread each (torch 1 thread each). Emulation (rollart.engines.hf, `emulate=`) sleeps after every
+forward pass so that each replica behaves like its class *as a scaled GPU*: the host's time per
+prefill token and per decode token (batch 8) is measured first, then
+rollart.routing.host_matched_slowdowns picks per-phase factors that give each class the cost
+model's per-token times (2 x params FLOPs / FLOP/s; bf16 param bytes / 8 / bandwidth) times one
+common scale. Relative to each other: H20 prefill 989/148 = 6.7x slower than H800, H800 decode
+4000/3350 = 1.19x slower than H20, and decode/prefill cost per token as on the GPU (~37 on
+H800), not as on a CPU (~5 here, which would make every task look prefill-bound).
 
-Workload (the same for every policy; seeded): 50/50 mixed multi-turn episodes, all started at
-once, each advancing to its next turn as soon as its previous completion is back:
-- prefill-heavy task `obs` (long observations, short actions): 512-token first prompt,
-  +256 observation tokens per later turn, 8 new tokens per turn;
-- decode-heavy task `reason` (short prompts, long reasoning): 32-token first prompt, +16 tokens
-  per later turn, 192 new tokens per turn.
+Workload (identical for every policy within a repeat; seeded): 50/50 mixed multi-turn episodes,
+all started at once, each advancing to its next turn as soon as its completion is back:
+- prefill-heavy task `obs` (long observations, short actions): 1024-token first prompt,
+  +512 observation tokens per later turn, 8 new tokens per turn;
+- decode-heavy task `reason` (short prompts, long reasoning): 16-token first prompt, +8 tokens
+  per later turn, 128 new tokens per turn.
 No eos (eos_token_ids=[]), so every completion has exactly its max_new_tokens: all policies
 generate the same tokens and only placement differs. The HF engine has no prefix cache, so every
 turn re-prefills its whole context (the router is told `prefix_cache=False`).
 
-Each replica drains its queue in batches of up to 8 (engine.generate); completions report to the
-Router (rollart.routing.router) and TaskProfiles, and the episode's next turn is routed at once.
-Policies: affinity (cost model + queue, sticky), round_robin, least_loaded (both sticky too).
+Each replica drains its queue in batches of up to 8 (engine.generate); the batch time goes to
+Router.on_batch (online correction of the cost model), completions to Router.on_finished and
+TaskProfiles, and the episode's next turn is routed at once. Policies: affinity (cost model +
+queue), round_robin, least_loaded; all three keep an episode on its replica across turns unless
+its wait exceeds the smallest by --threshold-s (the Router's shared stickiness rule), which
+makes the two baselines load-aware at turn boundaries (stronger than plain rotation).
 
-The router's cost model runs in host seconds: the host's effective prefill FLOP/s and decode
-bytes/s are measured first (calibration), and each emulated class is the host divided by its
-slowdown (rollart.routing.emulated_class). Writes results/affinity.json, prints one line.
+Writes results/affinity.json (per policy: median wall time of the repeats = one iteration,
+generation tokens/s, per-replica busy/sleep time, router decisions) and prints one line.
 """
 
 from __future__ import annotations

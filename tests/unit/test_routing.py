@@ -245,3 +245,32 @@ def test_bad_affinity_config_is_one_line(overrides, fragment):
     with pytest.raises(ConfigError) as err:
         load_config("configs/default.yaml", overrides)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_online_correction_scales_estimates_from_measured_batches():
+    r = twins()
+    d = r.route(req("a1", "e1", task="x", new_tokens=0, decode_tokens=1000))  # 0.597 s raw
+    r.on_batch("a", ["a1"], busy_s=3 * d.est_service_s)  # the replica ran 3x slower
+    r.on_finished("a1")
+    assert r.metrics()["router/scale/a"] == pytest.approx(3.0)
+    again = req("a2", "e2", task="x", new_tokens=0, decode_tokens=1000)
+    assert r.service_s(again, "a") == pytest.approx(3 * r.service_s(again, "b"))
+    # ... so the next request prefers the replica that is really faster
+    assert r.route(again).replica_id == "b"
+
+
+def test_host_matched_slowdowns_keep_the_gpu_cost_ratios():
+    from rollart.routing import emulated_class, host_matched_slowdowns
+
+    cost = CostModel.for_model(1e6, 2.0, decode_batch=8)
+    s = host_matched_slowdowns([H800, H20], cost.flops_per_token, cost.bytes_per_token,
+                               host_prefill_s=50e-6, host_decode_s=250e-6)
+    assert min(s["H800"].prefill, s["H800"].decode, s["H20"].prefill, s["H20"].decode) == 1.0
+    assert s["H20"].prefill / s["H800"].prefill == pytest.approx(989 / 148)
+    assert s["H800"].decode / s["H20"].decode == pytest.approx(4000 / 3350)
+    # emulated per-token decode / prefill time on H800 equals the GPU's: (989/3.35) / 8 = 36.9
+    emu = {c.name: emulated_class(c, cost.flops_per_token, cost.bytes_per_token, 50e-6, 250e-6,
+                                  s[c.name]) for c in (H800, H20)}
+    assert (cost.service_s(emu["H800"], 0, 1) / cost.service_s(emu["H800"], 1, 0)
+            == pytest.approx(989 / 3.35 / 8))
+    assert cost.service_s(emu["H800"], 1, 0) == pytest.approx(50e-6 * s["H800"].prefill)
