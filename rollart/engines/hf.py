@@ -30,7 +30,9 @@ pools measurable each forward pass is timed and followed by a sleep of (factor -
 with the prefill factor for the prompt pass and the decode factor for every decode step. The
 replica is then `factor` times slower per phase, and the sleep releases the GIL and the cores, as
 a separate slower device would. Factors come from the hardware catalog
-(rollart.routing.catalog.emulation_slowdowns). Timing assumes synchronous (CPU) execution.
+(rollart.routing.catalog: emulation_slowdowns, or host_matched_slowdowns to also keep the GPUs'
+decode/prefill cost ratio). Timing assumes synchronous (CPU) execution; a host busy with other
+work stretches the measured time, and the sleep stretches it by the same factor.
 """
 
 from __future__ import annotations
