@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rollart.routing.catalog import HardwareClass, default_catalog
 
 
 class ConfigError(ValueError):
@@ -185,6 +187,15 @@ class ClusterConfig(_Strict):
     }
     threads_per_worker: int = Field(1, gt=0)
     dashboard: bool = True
+    # Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy
+    # pools; see `routing`). None: `engine.replicas` replicas on `stages.engine` (one pool).
+    engine_pools: dict[str, int] | None = None
+
+    def engine_classes(self, replicas: int = 1) -> list[str]:
+        """Hardware class of each engine replica, in replica order."""
+        if self.engine_pools is None:
+            return [self.stages["engine"]] * replicas
+        return [c for c, n in self.engine_pools.items() for _ in range(n)]
 
     @model_validator(mode="after")
     def _stages(self) -> ClusterConfig:
@@ -192,12 +203,24 @@ class ClusterConfig(_Strict):
         missing = need - set(self.stages)
         if missing:
             raise ValueError(f"cluster.stages is missing {sorted(missing)}")
+        if self.engine_pools is not None:
+            if not self.engine_pools or any(n < 1 for n in self.engine_pools.values()):
+                raise ValueError(
+                    "cluster.engine_pools must map each class to >= 1 replicas, e.g. "
+                    "{H800: 1, H20: 1} (or null for one pool on stages.engine)"
+                )
         if self.address is None:
             unknown = {c for c in self.stages.values() if c not in self.workers}
             if unknown:
                 raise ValueError(
                     f"cluster.stages maps to classes {sorted(unknown)} that have no workers in "
                     "cluster.workers"
+                )
+            unknown = {c for c in self.engine_pools or {} if c not in self.workers}
+            if unknown:
+                raise ValueError(
+                    f"cluster.engine_pools names classes {sorted(unknown)} that have no workers "
+                    "in cluster.workers (add them there, e.g. workers: {H800: 1, H20: 1, CPU: 1})"
                 )
         return self
 
@@ -329,6 +352,42 @@ class EvalConfig(_Strict):
     every: int = Field(10, ge=0)  # 0: only at the end
 
 
+# ---------------------------------------------------------------- hardware affinity (issue 7)
+
+
+class SlowdownConfig(_Strict):
+    """Emulation factors for one class: its prefill / decode steps take this many times the
+    measured host time (>= 1; emulation can only slow a replica down)."""
+
+    prefill: float = Field(1.0, ge=1.0)
+    decode: float = Field(1.0, ge=1.0)
+
+
+class EmulationConfig(_Strict):
+    """Emulated heterogeneity (benchmarks): on one CPU host every engine pool is the same
+    hardware, so each replica sleeps (factor - 1) x its measured prefill / decode compute time.
+    Off by default; never on in a real cluster."""
+
+    enabled: bool = False
+    # Explicit factors per class; classes not listed get factors derived from `hardware`
+    # (rollart.routing.catalog.emulation_slowdowns: fastest class per phase = 1).
+    factors: dict[str, SlowdownConfig] = {}
+
+
+class RoutingConfig(_Strict):
+    """How generation requests are mapped to engine replicas (rollart.routing.router)."""
+
+    policy: Literal["affinity", "round_robin", "least_loaded"] = "affinity"
+    # Keep an episode on its replica across turns (prefix-cache reuse) unless that replica's
+    # estimated wait exceeds the smallest wait by more than imbalance_threshold_s.
+    sticky: bool = True
+    imbalance_threshold_s: float = Field(1.0, ge=0.0)
+    prefix_cache: bool | None = None  # engines reuse cached prefixes; None: from engine.backend
+    decode_batch: int = Field(8, gt=0)  # rows sharing one weight read per decode step (cost model)
+    profile_alpha: float = Field(0.2, gt=0.0, le=1.0)  # EMA weight of task profiles
+    emulation: EmulationConfig = EmulationConfig()
+
+
 class RunConfig(_Strict):
     name: str = "frozenlake-tiny"
     seed: int = 0
@@ -343,6 +402,10 @@ class RunConfig(_Strict):
     cluster: ClusterConfig = ClusterConfig()
     storage: StorageConfig = StorageConfig()
     eval: EvalConfig = EvalConfig()
+    # Hardware classes by name; entries given here are merged over the defaults
+    # (rollart.routing.catalog), so `--set hardware.H20.relative_cost=0.5` changes one figure.
+    hardware: dict[str, HardwareClass] = Field(default_factory=default_catalog)
+    routing: RoutingConfig = RoutingConfig()
 
     @model_validator(mode="after")
     def _tasks(self) -> RunConfig:
@@ -351,6 +414,41 @@ class RunConfig(_Strict):
         names = [t.name for t in self.tasks]
         if len(set(names)) != len(names):
             raise ValueError(f"task names must be unique, got {names}")
+        return self
+
+    @field_validator("hardware", mode="before")
+    @classmethod
+    def _merge_hardware(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # pydantic reports the type error
+        merged: dict[str, Any] = {k: c.model_dump() for k, c in default_catalog().items()}
+        for name, entry in value.items():
+            if isinstance(entry, HardwareClass):
+                entry = entry.model_dump()
+            if not isinstance(entry, dict):
+                raise ValueError(f"hardware.{name} must be a mapping of figures")
+            if entry.get("name", name) != name:
+                raise ValueError(
+                    f"hardware.{name}.name must equal its key {name!r} (or be omitted)")
+            merged[name] = {**merged.get(name, {}), **entry, "name": name}
+        return merged
+
+    @model_validator(mode="after")
+    def _affinity(self) -> RunConfig:
+        pools = self.cluster.engine_pools
+        if pools is not None and self.engine.replicas != 1:
+            raise ValueError(
+                "set cluster.engine_pools (replicas per class) or engine.replicas, not both")
+        for c in pools or {}:  # a single pool needs no figures: there is nothing to choose
+            if c not in self.hardware:
+                raise ValueError(
+                    f"cluster.engine_pools class {c!r} has no entry in hardware: add "
+                    f"hardware.{c} with peak_tflops, mem_bw_gbs and memory_gb"
+                )
+        for c in self.routing.emulation.factors:
+            if c not in self.hardware:
+                raise ValueError(f"routing.emulation.factors names class {c!r} that is not in "
+                                 f"hardware (known: {sorted(self.hardware)})")
         return self
 
 

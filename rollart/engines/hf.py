@@ -23,6 +23,16 @@ restricted distribution; the trainer applies the same restriction.
 Finishing, per row: the eos token (`<|im_end|>`, kept) -> "eos"; a stop string appearing in the
 decoded generated text -> "stop" (tokens kept up to and including the token that completed it);
 `max_new_tokens` reached -> "length"; aborted -> "abort" (see `abort`).
+
+Emulated hardware (`emulate=Slowdown(prefill, decode)`, benchmarks only, off by default): on one
+CPU host every engine is the same hardware, so to make routing between "compute" and "bandwidth"
+pools measurable each forward pass is timed and followed by a sleep of (factor - 1) x that time,
+with the prefill factor for the prompt pass and the decode factor for every decode step. The
+replica is then `factor` times slower per phase, and the sleep releases the GIL and the cores, as
+a separate slower device would. Factors come from the hardware catalog
+(rollart.routing.catalog: emulation_slowdowns, or host_matched_slowdowns to also keep the GPUs'
+decode/prefill cost ratio). Timing assumes synchronous (CPU) execution; a host busy with other
+work stretches the measured time, and the sleep stretches it by the same factor.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
+from rollart.routing.catalog import Slowdown
 from rollart.types import Completion, GenerationRequest
 
 
@@ -94,6 +105,7 @@ class HFEngine:
         weight_version: int = 0,
         eos_token_ids: Iterable[int] | None = None,
         device: torch.device | str | None = None,
+        emulate: Slowdown | None = None,
     ):
         if threads is not None:
             torch.set_num_threads(threads)
@@ -113,6 +125,7 @@ class HFEngine:
         self._lock = threading.Lock()  # one generate / update_weights at a time
         self._aborted: set[str] = set()
         self._abort_lock = threading.Lock()
+        self.emulate = emulate  # emulated hardware slowdowns (see module docstring); None: off
         self._stats = {
             "requests": 0.0,
             "tokens_generated": 0.0,
@@ -122,6 +135,8 @@ class HFEngine:
             "aborted": 0.0,
             "sleeps": 0.0,
             "weight_updates": 0.0,
+            "emulated_prefill_s": 0.0,  # sleep added by emulation (included in generate_s)
+            "emulated_decode_s": 0.0,
         }
 
     # ---------------------------------------------------------------- contract
@@ -175,7 +190,9 @@ class HFEngine:
                 return True
             return False
 
-    def _forward(self, input_ids: Tensor, mask: Tensor, pos: Tensor, cache: DynamicCache) -> Tensor:
+    def _forward(self, input_ids: Tensor, mask: Tensor, pos: Tensor, cache: DynamicCache,
+                 phase: str = "decode") -> Tensor:
+        t0 = time.perf_counter()
         out = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -184,7 +201,14 @@ class HFEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1, :].float()  # [A, V]
+        logits = out.logits[:, -1, :].float()  # [A, V]
+        if self.emulate is not None:
+            factor = self.emulate.prefill if phase == "prefill" else self.emulate.decode
+            if factor > 1.0:
+                extra = (factor - 1.0) * (time.perf_counter() - t0)
+                time.sleep(extra)
+                self._stats[f"emulated_{phase}_s"] += extra
+        return logits
 
     @staticmethod
     def _allowed_mask(reqs: list[GenerationRequest], vocab: int) -> Tensor | None:
@@ -225,7 +249,7 @@ class HFEngine:
             temperature = torch.tensor([reqs[b].params.temperature for b in active])  # [A]
             top_p = torch.tensor([reqs[b].params.top_p for b in active])  # [A]
             cache = DynamicCache(config=getattr(self.model, "config", None))
-            logits = self._forward(input_ids, mask, pos, cache)  # [A, V]
+            logits = self._forward(input_ids, mask, pos, cache, "prefill")  # [A, V]
             allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1])  # [A, V]
             if allowed is not None:
                 logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))

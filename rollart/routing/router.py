@@ -1,0 +1,265 @@
+"""Router: picks the engine replica for each generation request. Pure: events in, decisions out.
+
+Cost model (per request, on hardware class c):
+
+    service_s(c) = prefill_tokens * flops_per_token / FLOP/s(c)
+                 + decode_tokens  * bytes_per_token / bandwidth(c)
+
+with flops_per_token ~ 2 x params and bytes_per_token ~ param bytes / decode batch (+ KV reads):
+a decode step reads every weight once for the whole batch, so each row pays its share.
+`prefill_tokens` is the turn's new tokens on the replica that holds the episode's prefix (when the
+engine caches prefixes) and new + context tokens anywhere else (cache miss).
+
+A replica's wait is the estimated service time of the requests routed to it and not yet finished.
+
+Online correction: peak figures are never reached (MFU/MBU, attention, padding, host overheads),
+and by different amounts per replica. When the caller reports a finished engine batch
+(`on_batch(replica, request_ids, busy_s)`), the replica's scale becomes an EMA of measured busy
+time / estimated time of that batch, and every estimate for the replica is multiplied by it. One
+scalar per replica: it learns the replica's dominant phase best (the one affinity sends it).
+
+Policies (what a new episode, or a spilled one, gets):
+  affinity      argmin over healthy replicas of wait + service_s on that replica's class
+  round_robin   the next healthy replica in a fixed rotation
+  least_loaded  the healthy replica with the fewest outstanding requests (class-blind)
+
+Stickiness (all policies): a later turn of an episode goes back to the replica that served the
+previous turn (its prefix is cached there) unless that replica's wait exceeds the smallest wait
+by more than `imbalance_threshold_s`; then the policy decides again ("spill"; affinity may still
+pick the same replica if it remains the fastest to finish). Failed replicas are never chosen; an
+episode whose replica failed is re-placed ("failover").
+
+The caller reports: `route` when a request is ready, `on_finished` when its completion is back,
+`on_episode_end` when an episode is done, `on_failed` / `on_recovered` for replica health.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollart.routing.catalog import HardwareClass
+
+Policy = Literal["affinity", "round_robin", "least_loaded"]
+POLICIES: tuple[str, ...] = ("affinity", "round_robin", "least_loaded")
+
+
+class NoHealthyReplica(RuntimeError):
+    """Every replica is marked failed."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    flops_per_token: float  # prefill FLOPs per prompt token
+    bytes_per_token: float  # decode bytes read per generated token (weights' share + KV)
+
+    @classmethod
+    def for_model(cls, params: float, bytes_per_param: float = 2.0, decode_batch: int = 1,
+                  kv_bytes_per_token: float = 0.0) -> CostModel:
+        """params: parameter count; bytes_per_param: 2 for bf16; decode_batch: rows that share one
+        weight read per decode step; kv_bytes_per_token: KV bytes read per generated token."""
+        return cls(flops_per_token=2.0 * params,
+                   bytes_per_token=params * bytes_per_param / max(decode_batch, 1)
+                   + kv_bytes_per_token)
+
+    def service_s(self, hw: HardwareClass, prefill_tokens: float, decode_tokens: float) -> float:
+        return (prefill_tokens * self.flops_per_token / hw.flops
+                + decode_tokens * self.bytes_per_token / hw.bandwidth)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    replica_id: str
+    hw: HardwareClass
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    episode_id: str
+    task: str
+    new_tokens: int  # prompt tokens added since the episode's previous turn (all of turn 1)
+    context_tokens: int = 0  # prompt tokens before those (the episode's cacheable prefix)
+    decode_tokens: float = 0.0  # expected tokens to generate (TaskProfiles.expected_decode_tokens)
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    replica_id: str
+    hw_class: str
+    reason: Literal["new", "sticky", "spill", "failover"]
+    est_service_s: float
+    est_wait_s: float  # the replica's wait before this request was added
+
+
+@dataclass
+class _Replica:
+    spec: ReplicaSpec
+    failed: bool = False
+    outstanding: dict[str, float] = field(default_factory=dict)  # request id -> raw est s
+    scale: float = 1.0  # measured / estimated time, learned from finished batches
+    batches: int = 0
+
+    @property
+    def wait_s(self) -> float:
+        return self.scale * sum(self.outstanding.values(), 0.0)
+
+
+class Router:
+    def __init__(self, replicas: list[ReplicaSpec], cost: CostModel, *,
+                 policy: Policy = "affinity", sticky: bool = True,
+                 imbalance_threshold_s: float = 1.0, prefix_cache: bool = True,
+                 correction_alpha: float = 0.3):
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r} is not one of {POLICIES}")
+        if not replicas:
+            raise ValueError("the router needs at least one replica")
+        ids = [r.replica_id for r in replicas]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"replica ids must be unique, got {ids}")
+        if imbalance_threshold_s < 0:
+            raise ValueError("imbalance_threshold_s must be >= 0")
+        self.cost = cost
+        self.policy: Policy = policy
+        self.sticky = sticky
+        self.imbalance_threshold_s = imbalance_threshold_s
+        self.prefix_cache = prefix_cache
+        self.correction_alpha = correction_alpha  # 0 disables the online correction
+        self._raw: dict[str, float] = {}  # outstanding request id -> raw estimate (for on_batch)
+        self._replicas: dict[str, _Replica] = {r.replica_id: _Replica(r) for r in replicas}
+        self._order = ids  # round-robin rotation order
+        self._rr = 0
+        self._home: dict[str, str] = {}  # episode id -> replica that served its last turn
+        self._where: dict[str, str] = {}  # outstanding request id -> replica id
+        self._counts: dict[str, float] = {"sticky": 0.0, "spill": 0.0, "failover": 0.0,
+                                          "new": 0.0}
+        self._routed: dict[str, float] = {i: 0.0 for i in ids}
+
+    # ---------------------------------------------------------------- queries
+
+    def replica_ids(self) -> list[str]:
+        return list(self._order)
+
+    def healthy(self) -> list[str]:
+        return [i for i in self._order if not self._replicas[i].failed]
+
+    def wait_s(self, replica_id: str) -> float:
+        return self._replicas[replica_id].wait_s
+
+    def home(self, episode_id: str) -> str | None:
+        return self._home.get(episode_id)
+
+    def service_s(self, req: RouteRequest, replica_id: str) -> float:
+        """Estimated service time of `req` on `replica_id` (a cache hit only on the episode's
+        home replica, and only when the engines cache prefixes)."""
+        return self._replicas[replica_id].scale * self._raw_service_s(req, replica_id)
+
+    def _raw_service_s(self, req: RouteRequest, replica_id: str) -> float:
+        hit = self.prefix_cache and self._home.get(req.episode_id) == replica_id
+        prefill = req.new_tokens + (0 if hit else req.context_tokens)
+        return self.cost.service_s(self._replicas[replica_id].spec.hw, prefill, req.decode_tokens)
+
+    # ---------------------------------------------------------------- events
+
+    def route(self, req: RouteRequest) -> Decision:
+        if req.request_id in self._where:
+            raise ValueError(f"request {req.request_id!r} is already routed")
+        healthy = self.healthy()
+        if not healthy:
+            raise NoHealthyReplica("every engine replica is marked failed")
+        home = self._home.get(req.episode_id)
+        reason: Literal["new", "sticky", "spill", "failover"]
+        if home is None:
+            reason, choice = "new", self._pick(req, healthy)
+        elif self._replicas[home].failed:
+            reason, choice = "failover", self._pick(req, healthy)
+        elif not self.sticky:
+            choice = self._pick(req, healthy)
+            reason = "sticky" if choice == home else "spill"
+        else:
+            imbalance = self.wait_s(home) - min(self.wait_s(i) for i in healthy)
+            if imbalance <= self.imbalance_threshold_s:
+                reason, choice = "sticky", home
+            else:
+                # round robin has no notion of "better", so a spill must leave the overloaded
+                # replica; the cost-aware policies may keep it if it still finishes first.
+                cands = healthy
+                if self.policy == "round_robin":
+                    cands = [i for i in healthy if i != home]
+                choice = self._pick(req, cands)
+                reason = "sticky" if choice == home else "spill"
+        raw = self._raw_service_s(req, choice)
+        est = raw * self._replicas[choice].scale
+        wait = self.wait_s(choice)
+        self._replicas[choice].outstanding[req.request_id] = raw
+        self._raw[req.request_id] = raw
+        self._where[req.request_id] = choice
+        self._home[req.episode_id] = choice
+        self._counts[reason] += 1
+        self._routed[choice] += 1
+        return Decision(req.request_id, choice, self._replicas[choice].spec.hw.name, reason, est,
+                        wait)
+
+    def on_finished(self, request_id: str) -> None:
+        """The completion is back (or the request was aborted): its work leaves the queue."""
+        rid = self._where.pop(request_id, None)
+        self._raw.pop(request_id, None)
+        if rid is not None:
+            self._replicas[rid].outstanding.pop(request_id, None)
+
+    def on_batch(self, replica_id: str, request_ids: list[str], busy_s: float) -> None:
+        """An engine call on `replica_id` served `request_ids` in `busy_s` seconds: update the
+        replica's measured/estimated scale. Call it before their `on_finished`."""
+        raw = sum(self._raw.pop(r, 0.0) for r in request_ids)
+        rep = self._replicas[replica_id]
+        if raw <= 0.0 or busy_s <= 0.0 or self.correction_alpha <= 0.0:
+            return
+        ratio = min(max(busy_s / raw, 1e-3), 1e3)
+        rep.scale = ratio if rep.batches == 0 else rep.scale + self.correction_alpha * (
+            ratio - rep.scale)
+        rep.batches += 1
+
+    def on_episode_end(self, episode_id: str) -> None:
+        self._home.pop(episode_id, None)
+
+    def on_failed(self, replica_id: str) -> list[str]:
+        """Mark a replica failed; returns the request ids that were outstanding on it (the caller
+        re-issues them: routing them again places them on a healthy replica as failovers)."""
+        rep = self._replicas[replica_id]
+        rep.failed = True
+        lost = list(rep.outstanding)
+        for r in lost:
+            self._where.pop(r, None)
+            self._raw.pop(r, None)
+        rep.outstanding.clear()
+        return lost
+
+    def on_recovered(self, replica_id: str) -> None:
+        self._replicas[replica_id].failed = False
+
+    # ---------------------------------------------------------------- policy
+
+    def _pick(self, req: RouteRequest, cands: list[str]) -> str:
+        if self.policy == "affinity":
+            return min(cands, key=lambda i: self.wait_s(i) + self.service_s(req, i))
+        if self.policy == "least_loaded":
+            return min(cands, key=lambda i: len(self._replicas[i].outstanding))
+        # round robin: advance the rotation to the next candidate
+        n = len(self._order)
+        for _ in range(n):
+            rid = self._order[self._rr % n]
+            self._rr += 1
+            if rid in cands:
+                return rid
+        return cands[0]
+
+    def metrics(self) -> dict[str, float]:
+        """`router/...` counters: decisions by reason, requests per replica, current waits."""
+        out = {f"router/{k}": v for k, v in self._counts.items()}
+        for rid, rep in self._replicas.items():
+            out[f"router/routed/{rid}"] = self._routed[rid]
+            out[f"router/wait_s/{rid}"] = rep.wait_s
+            out[f"router/failed/{rid}"] = float(rep.failed)
+            out[f"router/scale/{rid}"] = rep.scale
+        return out

@@ -1,0 +1,55 @@
+"""Build the routing pieces from a RunConfig (kept out of rollart.routing's __init__ because
+rollart.config imports the catalog from this package)."""
+
+from __future__ import annotations
+
+from rollart.config import RunConfig
+from rollart.routing.catalog import Slowdown, emulation_slowdowns
+from rollart.routing.profile import TaskProfiles
+from rollart.routing.router import CostModel, ReplicaSpec, Router
+
+
+def engine_replicas(cfg: RunConfig) -> list[ReplicaSpec]:
+    """One spec per engine replica, ids `engine-{i}` in replica order (the order the rollout
+    service creates its engine actors in). A class missing from the catalog (single-pool configs
+    may name any class) falls back to the H20 figures: with one pool nothing is chosen by them."""
+    classes = cfg.cluster.engine_classes(cfg.engine.replicas)
+    return [ReplicaSpec(f"engine-{i}", cfg.hardware.get(c) or cfg.hardware["H20"])
+            for i, c in enumerate(classes)]
+
+
+def prefix_cache_enabled(cfg: RunConfig) -> bool:
+    """Explicit `routing.prefix_cache`, else the backend's habit: the HF engine re-prefills the
+    whole context every turn; vLLM caches prefixes."""
+    if cfg.routing.prefix_cache is not None:
+        return cfg.routing.prefix_cache
+    return cfg.engine.backend != "hf"
+
+
+def build_router(cfg: RunConfig, params: float, bytes_per_param: float | None = None) -> Router:
+    """params: the policy's parameter count (rollart.models.param_count)."""
+    if bytes_per_param is None:
+        bytes_per_param = 4.0 if cfg.model.dtype == "float32" else 2.0
+    cost = CostModel.for_model(params, bytes_per_param, decode_batch=cfg.routing.decode_batch)
+    r = cfg.routing
+    return Router(engine_replicas(cfg), cost, policy=r.policy, sticky=r.sticky,
+                  imbalance_threshold_s=r.imbalance_threshold_s,
+                  prefix_cache=prefix_cache_enabled(cfg))
+
+
+def emulation_factors(cfg: RunConfig) -> dict[str, Slowdown]:
+    """Slowdowns per engine class when `routing.emulation.enabled` (else {}): derived from the
+    catalog across the engine pools' classes, overridden by explicit `routing.emulation.factors`."""
+    em = cfg.routing.emulation
+    if not em.enabled:
+        return {}
+    classes = sorted(set(cfg.cluster.engine_classes(cfg.engine.replicas)))
+    out = emulation_slowdowns(cfg.hardware[c] for c in classes if c in cfg.hardware)
+    out.update({c: Slowdown(f.prefill, f.decode) for c, f in em.factors.items()})
+    return out
+
+
+def task_profiles(cfg: RunConfig) -> TaskProfiles:
+    """Unseen tasks are routed as if they decode `engine.max_new_tokens` tokens per turn."""
+    return TaskProfiles(alpha=cfg.routing.profile_alpha,
+                        prior_decode_tokens=float(cfg.engine.max_new_tokens))

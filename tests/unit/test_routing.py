@@ -1,0 +1,276 @@
+"""Hardware-affinity routing: catalog, cost model, task profiles, router policies, config."""
+
+import pytest
+
+from rollart.config import ConfigError, load_config
+from rollart.routing import (
+    DEFAULT_CATALOG,
+    CostModel,
+    NoHealthyReplica,
+    ReplicaSpec,
+    Router,
+    RouteRequest,
+    TaskProfiles,
+    emulation_slowdowns,
+)
+
+H800, H20 = DEFAULT_CATALOG["H800"], DEFAULT_CATALOG["H20"]
+# 1B parameters in bf16, no batching: 2e9 FLOPs per prefill token, 2e9 bytes per decode token.
+COST = CostModel.for_model(1e9, bytes_per_param=2.0, decode_batch=1)
+
+PREFILL_HEAVY = dict(task="sokoban", new_tokens=4000, decode_tokens=10)
+DECODE_HEAVY = dict(task="arith", new_tokens=100, decode_tokens=1000)
+
+
+def req(rid: str, episode: str, **kw) -> RouteRequest:
+    return RouteRequest(request_id=rid, episode_id=episode, **kw)
+
+
+def hetero(**kw) -> Router:
+    return Router([ReplicaSpec("h800", H800), ReplicaSpec("h20", H20)], COST, **kw)
+
+
+def twins(**kw) -> Router:
+    return Router([ReplicaSpec("a", H800), ReplicaSpec("b", H800)], COST, **kw)
+
+
+# ---------------------------------------------------------------- catalog and cost model
+
+
+def test_catalog_figures_and_derived_emulation_factors():
+    assert (H800.peak_tflops, H800.mem_bw_gbs, H800.memory_gb) == (989, 3350, 80)
+    assert (H20.peak_tflops, H20.mem_bw_gbs, H20.memory_gb) == (148, 4000, 96)
+    assert DEFAULT_CATALOG["H200"].mem_bw_gbs == 4800 and DEFAULT_CATALOG["CPU"].kind == "cpu"
+    assert H800.flops == 989e12 and H20.bandwidth == 4000e9 and H20.dask_resource == "H20"
+    f = emulation_slowdowns([H800, H20])
+    assert f["H800"].prefill == 1.0 and f["H800"].decode == pytest.approx(4000 / 3350)
+    assert f["H20"].prefill == pytest.approx(989 / 148) and f["H20"].decode == 1.0
+
+
+def test_service_times_hand_computed():
+    # prefill-heavy: 4000 x 2e9 / 989e12 + 10 x 2e9 / 3.35e12 = 8.0890 ms + 5.9701 ms
+    assert COST.service_s(H800, 4000, 10) == pytest.approx(0.0080890 + 0.0059701, rel=1e-4)
+    # on H20: 4000 x 2e9 / 148e12 + 10 x 2e9 / 4e12 = 54.054 ms + 5 ms
+    assert COST.service_s(H20, 4000, 10) == pytest.approx(0.054054 + 0.005, rel=1e-4)
+    # decode-heavy on H800: 100 x 2e9 / 989e12 + 1000 x 2e9 / 3.35e12 = 0.2022 + 597.01 ms
+    assert COST.service_s(H800, 100, 1000) == pytest.approx(0.00020222 + 0.59701, rel=1e-4)
+    # on H20: 1.3514 ms + 500 ms
+    assert COST.service_s(H20, 100, 1000) == pytest.approx(0.0013514 + 0.5, rel=1e-4)
+    # batching amortises the weight read: 8 rows share one step's 2 GB
+    assert CostModel.for_model(1e9, 2.0, decode_batch=8).bytes_per_token == 0.25e9
+
+
+# ---------------------------------------------------------------- must-show
+
+
+def test_prefill_heavy_goes_to_compute_pool_decode_heavy_to_bandwidth_pool_when_idle():
+    r = hetero()
+    d = r.route(req("p", "e1", **PREFILL_HEAVY))
+    assert (d.replica_id, d.hw_class, d.reason) == ("h800", "H800", "new")
+    assert d.est_service_s == pytest.approx(COST.service_s(H800, 4000, 10))
+    r2 = hetero()  # both idle again
+    d = r2.route(req("d", "e2", **DECODE_HEAVY))
+    assert (d.replica_id, d.hw_class) == ("h20", "H20")
+    assert d.est_service_s == pytest.approx(0.5013514, rel=1e-4)
+
+
+def test_mixed_arrivals_split_by_affinity():
+    r = hetero()
+    assert r.route(req("p", "e1", **PREFILL_HEAVY)).replica_id == "h800"
+    # h800 now waits 14 ms: 14 + 597 ms there vs 501 ms on h20
+    d = r.route(req("d", "e2", **DECODE_HEAVY))
+    assert d.replica_id == "h20" and d.est_wait_s == 0.0
+
+
+def test_stickiness_holds_across_turns_below_the_threshold():
+    r = twins(imbalance_threshold_s=1.0, prefix_cache=True)
+    first = r.route(req("t1", "ep", task="x", new_tokens=1000, decode_tokens=100))
+    assert first.replica_id == "a"  # tie: first replica
+    r.on_finished("t1")
+    # another episode puts ~0.6 s of work on "a"; "b" is idle, but 0.6 s < 1 s threshold
+    r.route(req("other", "ep2", task="x", new_tokens=0, decode_tokens=1000))
+    assert r.wait_s("a") == pytest.approx(0.597, rel=1e-2) and r.wait_s("b") == 0.0
+    for turn in (2, 3):
+        d = r.route(req(f"t{turn}", "ep", task="x", new_tokens=50, context_tokens=1100 * turn,
+                        decode_tokens=100))
+        assert (d.replica_id, d.reason) == ("a", "sticky")
+        # the cached prefix is free on the home replica, a miss elsewhere
+        assert d.est_service_s == pytest.approx(COST.service_s(H800, 50, 100))
+        assert r.service_s(req("q", "ep", task="x", new_tokens=50, context_tokens=1100 * turn,
+                               decode_tokens=100), "b") > d.est_service_s
+        r.on_finished(f"t{turn}")
+    assert r.metrics()["router/sticky"] == 2
+
+
+def test_overload_spills_to_the_idle_replica():
+    r = twins(imbalance_threshold_s=1.0)
+    assert r.route(req("t1", "ep", task="x", new_tokens=100, decode_tokens=10)).replica_id == "a"
+    r.on_finished("t1")
+    for i in range(2):  # a sticky hog puts 2 x 0.597 s on "a": imbalance 1.19 s > 1 s
+        assert r.route(req(f"o{i}", "hog", task="x", decode_tokens=1000, new_tokens=0)
+                       ).replica_id == "a"
+    assert r.wait_s("a") == pytest.approx(1.194, rel=1e-3) and r.wait_s("b") == 0.0
+    d = r.route(req("t2", "ep", task="x", new_tokens=100, decode_tokens=10))
+    assert (d.replica_id, d.reason) == ("b", "spill")
+    assert r.home("ep") == "b"  # the episode's prefix now lives on b
+    assert r.metrics()["router/spill"] == 1
+
+
+def test_affinity_spill_keeps_the_home_when_it_still_finishes_first():
+    # a prefill-heavy episode on a loaded H800: H20 would take 6.7x longer to prefill, so the
+    # re-decision keeps it on the H800 even though the imbalance passes the threshold
+    r = hetero(imbalance_threshold_s=0.01)
+    r.route(req("t1", "ep", **PREFILL_HEAVY))
+    r.on_finished("t1")
+    r.route(req("load", "ep2", task="x", new_tokens=6000, decode_tokens=0))  # 12 ms on h800
+    assert r.wait_s("h800") > 0.01
+    big = dict(PREFILL_HEAVY, new_tokens=40_000)  # 81 ms on h800 vs 541 ms on h20
+    d = r.route(req("t2", "ep", **big))
+    assert (d.replica_id, d.reason) == ("h800", "sticky")
+
+
+def test_failed_pool_is_avoided_and_recovers():
+    r = hetero()
+    d = r.route(req("p1", "e1", **PREFILL_HEAVY))
+    assert d.replica_id == "h800"
+    lost = r.on_failed("h800")
+    assert lost == ["p1"] and r.wait_s("h800") == 0.0 and r.healthy() == ["h20"]
+    # the lost request is re-issued: it fails over to the healthy pool
+    d = r.route(req("p1", "e1", **PREFILL_HEAVY))
+    assert (d.replica_id, d.reason) == ("h20", "failover")
+    # a new prefill-heavy episode also avoids the failed compute pool
+    assert r.route(req("p2", "e2", **PREFILL_HEAVY)).replica_id == "h20"
+    r.on_finished("p1")
+    r.on_finished("p2")
+    r.on_recovered("h800")
+    assert r.route(req("p3", "e3", **PREFILL_HEAVY)).replica_id == "h800"
+    r.on_failed("h800")
+    r.on_failed("h20")
+    with pytest.raises(NoHealthyReplica):
+        r.route(req("p4", "e4", **PREFILL_HEAVY))
+
+
+# ---------------------------------------------------------------- baselines and bookkeeping
+
+
+def test_round_robin_rotates_and_skips_failed():
+    r = Router([ReplicaSpec(i, H800) for i in "abc"], COST, policy="round_robin")
+    got = [r.route(req(f"r{i}", f"e{i}", task="x", new_tokens=1)).replica_id for i in range(4)]
+    assert got == ["a", "b", "c", "a"]
+    r.on_failed("b")
+    got = [r.route(req(f"s{i}", f"f{i}", task="x", new_tokens=1)).replica_id for i in range(3)]
+    assert "b" not in got
+
+
+def test_least_loaded_counts_outstanding_requests_class_blind():
+    r = hetero(policy="least_loaded")
+    assert r.route(req("d1", "e1", **DECODE_HEAVY)).replica_id == "h800"  # tie: first
+    assert r.route(req("p1", "e2", **PREFILL_HEAVY)).replica_id == "h20"  # class-blind
+    r.on_finished("d1")
+    assert r.route(req("d2", "e3", **DECODE_HEAVY)).replica_id == "h800"
+
+
+def test_episode_end_forgets_the_home_and_bad_inputs_raise():
+    r = twins()
+    r.route(req("t1", "ep", task="x", new_tokens=10))
+    with pytest.raises(ValueError, match="already routed"):
+        r.route(req("t1", "ep", task="x", new_tokens=10))
+    r.on_finished("t1")
+    r.on_episode_end("ep")
+    assert r.home("ep") is None and r.wait_s("a") == 0.0
+    with pytest.raises(ValueError, match="policy"):
+        twins(policy="random")
+
+
+# ---------------------------------------------------------------- task profiles
+
+
+def test_task_profile_ema_prior_and_metrics():
+    p = TaskProfiles(alpha=0.5, prior_decode_tokens=64)
+    assert p.expected_decode_tokens("arith") == 64  # unseen: the prior
+    p.observe_turn("arith", new_prompt_tokens=20, decode_tokens=200)  # first sample sets it
+    p.observe_turn("arith", new_prompt_tokens=40, decode_tokens=100)
+    p.observe_env_step("arith", 0.2)
+    p.observe_turn("sokoban", new_prompt_tokens=900, decode_tokens=12)
+    assert p.expected_decode_tokens("arith") == 150
+    assert p.expected_new_prompt_tokens("arith") == 30
+    m = p.metrics()
+    assert m["rollout/profile/arith/decode_tokens"] == 150
+    assert m["rollout/profile/arith/env_step_s"] == pytest.approx(0.2)
+    assert m["rollout/profile/arith/turns"] == 2
+    assert m["rollout/profile/sokoban/prefill_decode_ratio"] == 75
+    with pytest.raises(ValueError):
+        TaskProfiles(alpha=0)
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_defaults_keep_one_engine_pool_on_h20():
+    cfg = load_config("configs/default.yaml")
+    assert cfg.cluster.engine_classes(cfg.engine.replicas) == ["H20"]
+    assert cfg.routing.policy == "affinity" and not cfg.routing.emulation.enabled
+    assert cfg.hardware["H800"] == H800
+
+
+def test_config_engine_pools_hardware_merge_and_router():
+    from rollart.routing.setup import build_router, emulation_factors, engine_replicas
+
+    cfg = load_config("configs/default.yaml", [
+        "cluster.engine_pools={H800: 1, H20: 2}", "hardware.H20.relative_cost=0.5",
+        "hardware.B200={peak_tflops: 2250, mem_bw_gbs: 8000, memory_gb: 180}",
+        "routing.emulation.enabled=true", "routing.emulation.factors={H20: {prefill: 5}}"])
+    assert cfg.cluster.engine_classes() == ["H800", "H20", "H20"]
+    assert cfg.hardware["H20"].relative_cost == 0.5 and cfg.hardware["H20"].peak_tflops == 148
+    assert cfg.hardware["B200"].name == "B200"
+    assert [s.hw.name for s in engine_replicas(cfg)] == ["H800", "H20", "H20"]
+    f = emulation_factors(cfg)
+    assert f["H20"].prefill == 5 and f["H800"].decode == pytest.approx(4000 / 3350)
+    router = build_router(cfg, params=1e6)
+    assert router.replica_ids() == ["engine-0", "engine-1", "engine-2"]
+    assert not router.prefix_cache  # HF engine re-prefills
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["cluster.engine_pools={H800: 0}"], "engine_pools must map each class to >= 1"),
+    (["cluster.engine_pools={TPU: 1}"], "engine_pools names classes ['TPU']"),
+    (["cluster.engine_pools={H800: 1}", "engine.replicas=2"], "not both"),
+    (["cluster.engine_pools={X: 1}", "cluster.workers.X=1"], "add hardware.X"),
+    (["routing.policy=random"], "'routing.policy'"),
+    (["routing.emulation.factors={H20: {decode: 0.5}}"], "greater than or equal to 1"),
+    (["routing.emulation.factors={Z: {prefill: 2}}"], "not in hardware"),
+    (["hardware.H20.name=H800"], "must equal its key"),
+])
+def test_bad_affinity_config_is_one_line(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/default.yaml", overrides)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_online_correction_scales_estimates_from_measured_batches():
+    r = twins()
+    d = r.route(req("a1", "e1", task="x", new_tokens=0, decode_tokens=1000))  # 0.597 s raw
+    r.on_batch("a", ["a1"], busy_s=3 * d.est_service_s)  # the replica ran 3x slower
+    r.on_finished("a1")
+    assert r.metrics()["router/scale/a"] == pytest.approx(3.0)
+    again = req("a2", "e2", task="x", new_tokens=0, decode_tokens=1000)
+    assert r.service_s(again, "a") == pytest.approx(3 * r.service_s(again, "b"))
+    # ... so the next request prefers the replica that is really faster
+    assert r.route(again).replica_id == "b"
+
+
+def test_host_matched_slowdowns_keep_the_gpu_cost_ratios():
+    from rollart.routing import emulated_class, host_matched_slowdowns
+
+    cost = CostModel.for_model(1e6, 2.0, decode_batch=8)
+    s = host_matched_slowdowns([H800, H20], cost.flops_per_token, cost.bytes_per_token,
+                               host_prefill_s=50e-6, host_decode_s=250e-6)
+    assert min(s["H800"].prefill, s["H800"].decode, s["H20"].prefill, s["H20"].decode) == 1.0
+    assert s["H20"].prefill / s["H800"].prefill == pytest.approx(989 / 148)
+    assert s["H800"].decode / s["H20"].decode == pytest.approx(4000 / 3350)
+    # emulated per-token decode / prefill time on H800 equals the GPU's: (989/3.35) / 8 = 36.9
+    emu = {c.name: emulated_class(c, cost.flops_per_token, cost.bytes_per_token, 50e-6, 250e-6,
+                                  s[c.name]) for c in (H800, H20)}
+    assert (cost.service_s(emu["H800"], 0, 1) / cost.service_s(emu["H800"], 1, 0)
+            == pytest.approx(989 / 3.35 / 8))
+    assert cost.service_s(emu["H800"], 1, 0) == pytest.approx(50e-6 * s["H800"].prefill)
