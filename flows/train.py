@@ -99,7 +99,8 @@ def train(
 
 def _check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
     have = worker_classes(client)
-    missing = sorted({c for c in cfg.cluster.stages.values() if c not in have})
+    wanted = set(cfg.cluster.stages.values()) | set(cfg.cluster.engine_classes(cfg.engine.replicas))
+    missing = sorted(c for c in wanted if c not in have)
     if missing:
         raise RuntimeError(
             f"no Dask worker carries resource(s) {missing}; start workers with "
@@ -140,10 +141,13 @@ def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
             placed("prepare", t.prepare.submit(cfg_dict, root, run_id).result())
         trainer = client.submit(TrainerService, cfg_dict, root, run_id, actor=True,
                                 resources={stages["trainer"]: 1}).result()
+        # One engine replica per entry of cluster.engine_pools (default: engine.replicas on the
+        # `engine` stage's class), each pinned to its hardware class.
+        engine_classes = cfg.cluster.engine_classes(cfg.engine.replicas)
         engines = [
             client.submit(EngineService, cfg_dict, root, run_id, r, actor=True,
-                          resources={stages["engine"]: 1}, key=f"engine-{run_id}-{r}").result()
-            for r in range(cfg.engine.replicas)
+                          resources={hw: 1}, key=f"engine-{run_id}-{r}").result()
+            for r, hw in enumerate(engine_classes)
         ]
         placed("trainer_service", trainer.where().result())
         for e in engines:

@@ -32,7 +32,8 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
     point = prepare_resume(store) if resume else None
     stages.prepare(cfg_dict, root, run_id)
     trainer = TrainerService(cfg_dict, root, run_id)
-    engines = [EngineService(cfg_dict, root, run_id, r) for r in range(cfg.engine.replicas)]
+    replicas = len(cfg.cluster.engine_classes(cfg.engine.replicas))
+    engines = [EngineService(cfg_dict, root, run_id, r) for r in range(replicas)]
     if point is not None:
         stages.restore(trainer, engines, point.step)
     synced = stages.sync_weights(trainer, engines)

@@ -22,8 +22,9 @@ from rollart.config import RunConfig, config_from_dict
 from rollart.engines.hf import HFEngine
 from rollart.envs import make_env
 from rollart.models.chat import ChatFormat
-from rollart.models.policy import build_tiny_model, load_policy
+from rollart.models.policy import build_tiny_model, load_policy, param_count
 from rollart.models.tokenizer import build_tokenizer
+from rollart.routing.setup import emulation_factors
 from rollart.storage.checkpointing import Checkpointer
 from rollart.storage.store import RunStore
 from rollart.storage.weights import load_weights_bytes, retie
@@ -99,9 +100,14 @@ class EngineService:
         torch.set_num_threads(1)
         self.store = RunStore.from_config(self.cfg.storage, run_id)
         model, tok = build_model(self.cfg, root, run_id)
+        self.params = float(param_count(model))
+        # Hardware class of this replica (cluster.engine_pools); emulated slowdowns only when
+        # routing.emulation.enabled (benchmarks: every pool is the same CPU here).
+        self.hw_class = self.cfg.cluster.engine_classes(self.cfg.engine.replicas)[replica]
         self.engine = HFEngine(
             model, tok, seed=self.cfg.seed * 1000 + replica,
             max_batch_size=self.cfg.engine.max_batch_size, weight_version=-1,
+            emulate=emulation_factors(self.cfg).get(self.hw_class),
         )
         self.replica = replica
         self.identity = worker_identity()
@@ -148,6 +154,9 @@ class EngineService:
 
     def weight_version(self) -> int:
         return self.engine.weight_version
+
+    def param_count(self) -> float:
+        return self.params
 
     def fingerprint(self) -> float:
         return param_checksum(self.engine.model)

@@ -36,6 +36,7 @@ from rollart.models.chat import ChatFormat
 from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
 from rollart.rollout.plan import group_seed, split_by_share
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
+from rollart.rollout.turn_router import TurnRouter
 from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
 Drop = tuple[str, int, str]  # (sample id, iteration, reason) for the sample ledger
@@ -84,9 +85,11 @@ class _Batcher:
     live episodes on this engine; requests sorted by id, so batches are deterministic)."""
 
     def __init__(self, engine: Any, max_batch: int, wait_s: float,
-                 members: Callable[[], int] | None = None) -> None:
+                 members: Callable[[], int] | None = None,
+                 on_served: Callable[[list[str], float], None] | None = None) -> None:
         self.engine, self.max_batch, self.wait_s = engine, max_batch, wait_s
         self.members = members
+        self.on_served = on_served  # (request ids, busy seconds) after each engine call
         self.queue: deque[tuple[GenerationRequest, Future, _Live]] = deque()
         self.cv = threading.Condition()
         self.busy_s = 0.0
@@ -145,8 +148,11 @@ class _Batcher:
                     fut.set_exception(err)
                 continue
             finally:
-                self.busy_s += time.perf_counter() - t0
+                busy = time.perf_counter() - t0
+                self.busy_s += busy
                 self.calls += 1
+                if self.on_served is not None:
+                    self.on_served([r.request_id for r, _, _ in items], busy)
             for (_, fut, _), comp in zip(items, out, strict=True):
                 fut.set_result(comp)
 
@@ -207,8 +213,13 @@ class RolloutService:
         lockstep = r.batching == "lockstep"
         self.batchers = [
             _Batcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
-                     (lambda i=i: self._members(i)) if lockstep else None)
+                     (lambda i=i: self._members(i)) if lockstep else None,
+                     lambda ids, busy, i=i: self.routing.served(i, ids, busy))
             for i, e in enumerate(engines)]
+        # Continuous batching routes every turn (hardware affinity, stickiness, spill); lockstep
+        # keeps each episode on the replica it started on (its batch waits for its members).
+        self.routing = TurnRouter(cfg, lambda: call(engines[0], "param_count"),
+                                  dynamic=not lockstep and len(engines) > 1)
         self.live: dict[str, _Live] = {}
         self.done: dict[str, Trajectory] = {}
         self.totals = _Totals()
@@ -327,7 +338,9 @@ class RolloutService:
                 req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",
                                         list(ep.traj.token_ids), params)
                 t0 = time.perf_counter()
-                comp = self.batchers[live.engine].generate(req, live)
+                engine = self.routing.route(live.id, st.task, req, ep.pending_prompt_tokens,
+                                            live.engine)
+                comp = self.batchers[engine].generate(req, live)
                 ep.timings["generate_s"] += time.perf_counter() - t0
                 if not live.cancelled:
                     apply_completion(ep, comp, self.chat, self.max_context, params.max_new_tokens)
@@ -336,6 +349,7 @@ class RolloutService:
         except Exception as err:  # engine failure: costs this episode
             ep.traj.error = f"generate: {type(err).__name__}: {err}"
         env.close()
+        self.routing.episode_end(live.id, st.task, ep.traj)
         ep.traj.timings.update(ep.timings)
         if live.cancelled:
             return  # already accounted for by whoever cancelled it
@@ -446,6 +460,7 @@ class RolloutService:
         versions = [t.turns[0].weight_version for t in trajs if t.turns]
         if versions:
             m["rollout/start_version_min"] = float(min(versions))
+        m.update(self.routing.metrics())
         m["perf/engine_busy_s"] = sum(b.busy_s for b in self.batchers)
         m["perf/rollout_elapsed_s"] = time.perf_counter() - self.started_at
         return m

@@ -1,0 +1,62 @@
+"""The rollout service's side of hardware-affinity routing (rollart/routing/router.py).
+
+Thread-safe glue between episode threads, engine batchers and the pure Router: every turn is
+routed from its prefill/decode estimate (new prompt tokens now, decode tokens from the task's
+online profile), each engine call reports its busy time (the router's online correction), and
+every finished episode feeds the task profiles (`rollout/profile/...`). With one engine, or
+lockstep batching, turns stay on the replica the episode started on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from rollart.config import RunConfig
+from rollart.routing.router import RouteRequest
+from rollart.routing.setup import build_router, task_profiles
+from rollart.types import GenerationRequest, Trajectory
+
+
+class TurnRouter:
+    def __init__(self, cfg: RunConfig, param_count: Callable[[], float], dynamic: bool) -> None:
+        self.cfg, self.dynamic = cfg, dynamic
+        self.profiles = task_profiles(cfg)
+        self.router = build_router(cfg, param_count()) if dynamic else None
+        self.lock = threading.Lock()
+
+    def route(self, episode_id: str, task: str, req: GenerationRequest, new_tokens: int,
+              default: int) -> int:
+        """The engine replica index for this turn."""
+        if self.router is None:
+            return default
+        with self.lock:
+            d = self.router.route(RouteRequest(
+                req.request_id, episode_id, task, new_tokens=new_tokens,
+                context_tokens=len(req.prompt_ids) - new_tokens,
+                decode_tokens=self.profiles.expected_decode_tokens(
+                    task, prior=req.params.max_new_tokens)))
+        return int(d.replica_id.rsplit("-", 1)[1])  # "engine-{i}"
+
+    def served(self, engine: int, request_ids: list[str], busy_s: float) -> None:
+        if self.router is None:
+            return
+        with self.lock:
+            self.router.on_batch(f"engine-{engine}", request_ids, busy_s)
+            for rid in request_ids:
+                self.router.on_finished(rid)
+
+    def episode_end(self, episode_id: str, task: str, traj: Trajectory) -> None:
+        with self.lock:
+            for turn in traj.turns:
+                self.profiles.observe_turn(task, turn.prompt_tokens, turn.completion_tokens)
+                self.profiles.observe_env_step(task, turn.env_s)
+            if self.router is not None:
+                self.router.on_episode_end(episode_id)
+
+    def metrics(self) -> dict[str, float]:
+        with self.lock:
+            out = self.profiles.metrics()
+            if self.router is not None:
+                out.update({f"rollout/{k}": float(v) for k, v in self.router.metrics().items()})
+        return out
