@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 
 from rollart.config import RunConfig, config_from_dict
-from rollart.engines.hf import HFEngine
+from rollart.engines import make_engine
 from rollart.envs import make_env
 from rollart.models.chat import ChatFormat
 from rollart.models.policy import build_tiny_model, load_policy
@@ -99,10 +99,8 @@ class EngineService:
         torch.set_num_threads(1)
         self.store = RunStore.from_config(self.cfg.storage, run_id)
         model, tok = build_model(self.cfg, root, run_id)
-        self.engine = HFEngine(
-            model, tok, seed=self.cfg.seed * 1000 + replica,
-            max_batch_size=self.cfg.engine.max_batch_size, weight_version=-1,
-        )
+        self.engine = make_engine(self.cfg, model, tok, seed=self.cfg.seed * 1000 + replica,
+                                  weight_version=-1)  # engine.backend: hf or vllm
         self.replica = replica
         self.identity = worker_identity()
         self.sync_pauses: list[float] = []
@@ -157,6 +155,10 @@ class EngineService:
 
     def where(self) -> dict[str, Any]:
         return self.identity
+
+    def close(self) -> None:
+        """Shut the engine down (vLLM frees its engine core; HF has nothing to free)."""
+        getattr(self.engine, "close", lambda: None)()
 
 
 class TrainerService:
