@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -57,6 +64,14 @@ class ModelConfig(_Strict):
         if self.source == "hf_dir" and not self.path:
             raise ValueError("model.path is required when model.source is 'hf_dir'")
         return self
+
+    @field_validator("path")
+    @classmethod
+    def _expand_home(cls, path: str | None) -> str | None:
+        """`~/.cache/rollart/models/NAME` (where `rollart models fetch` puts models) works."""
+        import os
+
+        return os.path.expanduser(path) if path else path
 
 
 class VLLMEngineConfig(_Strict):
