@@ -113,6 +113,7 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_threads
         self._engine = self.llm.llm_engine
+        self.max_model_len = int(self._engine.model_config.max_model_len)
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, owned_dir)
         self._lock = threading.Lock()
         self._aborted: set[str] = set()
@@ -150,8 +151,8 @@ class VLLMEngine:
                 if self._take_aborted(r.request_id):
                     finish[i] = "abort"
                     continue
-                if r.params.max_new_tokens <= 0:
-                    finish[i] = "length"
+                if r.params.max_new_tokens <= 0 or len(r.prompt_ids) >= self.max_model_len:
+                    finish[i] = "length"  # no room to generate (vLLM would reject the prompt)
                     continue
                 p = r.params
                 seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))

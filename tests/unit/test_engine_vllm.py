@@ -119,13 +119,15 @@ def test_finishing_rules_and_abort(engine, tok):
         GenerationRequest("len", p, SamplingParams(max_new_tokens=3, temperature=0.0)),
         GenerationRequest("zero", p, SamplingParams(max_new_tokens=0)),
         GenerationRequest("gone", p, SamplingParams(max_new_tokens=4)),
+        GenerationRequest("long", [9] * engine.max_model_len, SamplingParams(max_new_tokens=4)),
     ]
-    eos, stop, length, zero, gone = engine.generate(rs)
+    eos, stop, length, zero, gone, long = engine.generate(rs)
     assert eos.finish_reason == "eos" and eos.token_ids == [chat.eos_id]
     assert stop.finish_reason == "stop" and stop.text.endswith("</answer>")
     assert length.finish_reason == "length" and len(length.token_ids) == 3
     assert zero.finish_reason == "length" and zero.token_ids == []
     assert gone.finish_reason == "abort" and gone.token_ids == []
+    assert long.finish_reason == "length" and long.token_ids == []  # context full
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([GenerationRequest("e", [], SamplingParams())])
     engine.sleep()  # CPU: tracked no-op (vLLM has no sleep mode there)
