@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 from rollart.config import RunConfig, TaskConfig
 from rollart.rollout.env_manager import EpisodeSpec
-
-
-def split_by_share(total: int, shares: list[float]) -> list[int]:
-    """Largest-remainder split of `total` items by relative shares (sums exactly to total)."""
-    weight = sum(shares)
-    raw = [total * s / weight for s in shares]
-    counts = [math.floor(x) for x in raw]
-    order = sorted(range(len(shares)), key=lambda i: raw[i] - counts[i], reverse=True)
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
+from rollart.rollout.scheduler import split_by_share
 
 
 def group_seed(cfg: RunConfig, task: TaskConfig, iteration: int, group: int) -> int:

@@ -20,6 +20,7 @@ the real rollout service and the simulator.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,14 +69,25 @@ class SchedulerConfig:
     task_shares: tuple[tuple[str, float], ...] = (("default", 1.0),)
 
 
-# group index -> (group id, task, seed); the rollout service maps indices onto the iteration
-# plan so that group and sample ids are the planned ones (rollart/rollout/plan.py).
-GroupNamer = Callable[[int], tuple[str, str, int]]
+def split_by_share(total: int, shares: list[float]) -> list[int]:
+    """Largest-remainder split of `total` items by relative shares (sums exactly to total)."""
+    weight = sum(shares)
+    raw = [total * s / weight for s in shares]
+    counts = [math.floor(x) for x in raw]
+    order = sorted(range(len(shares)), key=lambda i: raw[i] - counts[i], reverse=True)
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+# (task, group index within the task) -> (group id, seed); the rollout service maps them onto
+# the iteration plan so that group and sample ids are the planned ones (rollart/rollout/plan.py).
+GroupNamer = Callable[[str, int], tuple[str, int]]
 
 
 class RolloutScheduler:
     def __init__(self, cfg: SchedulerConfig, version: int = 0,
-                 group_of: GroupNamer | None = None, first_group: int = 0) -> None:
+                 group_of: GroupNamer | None = None, first_iteration: int = 0) -> None:
         self.cfg = cfg
         self.version = version  # latest policy version the engines serve
         self.next_update = version  # the update the next `take_batch` feeds
@@ -85,45 +97,47 @@ class RolloutScheduler:
         self.counters: Counter[str] = Counter()
         # Finished episodes of dropped groups, (episode id, reason): never used, to be recorded.
         self.discarded: list[tuple[str, str]] = []
-        self._next_group = first_group
-        self._task_counts: Counter[str] = Counter()
+        names = [t for t, _ in cfg.task_shares]
+        # Groups per batch of each task (largest remainder over the shares).
+        self.quota = dict(zip(names, split_by_share(cfg.batch_groups,
+                                                    [w for _, w in cfg.task_shares]), strict=True))
+        self._next_group = 0
+        # Per-task group counters; resuming at iteration i continues the plan from there.
+        self._task_counts: Counter[str] = Counter(
+            {t: first_iteration * q for t, q in self.quota.items()})
         self._namer = group_of
 
     # ---- admission -----------------------------------------------------------------------
-    def _capacity(self) -> int:
-        """Groups that may exist (in flight or complete, unconsumed). A group begun now, under
-        `version`, can feed updates next_update .. version + max_staleness; keep just enough
-        groups for those batches, so none is started that is bound to go stale."""
+    def _usable_batches(self) -> int:
+        """Batches of groups that may exist (in flight or complete, unconsumed). A group begun
+        now, under `version`, can feed updates next_update .. version + max_staleness; keep
+        just enough groups for those batches, so none is started that is bound to go stale."""
         last = self.version + self.cfg.max_staleness
         if self.cfg.max_updates is not None:
             last = min(last, self.cfg.max_updates - 1)  # the run's last update
-        usable = last - self.next_update + 1
-        return max(0, usable) * self.cfg.batch_groups
-
-    def _next_task(self) -> str:
-        """Deficit round robin over task shares: the task furthest below its share goes next."""
-        total = sum(self._task_counts.values()) + 1
-        weight = sum(s for _, s in self.cfg.task_shares)
-        return max(self.cfg.task_shares,
-                   key=lambda ts: ts[1] / weight * total - self._task_counts[ts[0]])[0]
+        return max(0, last - self.next_update + 1)
 
     def fill(self) -> list[Start]:
-        """Start new groups up to capacity under the current version, if they can still be used."""
+        """Start new groups up to capacity under the current version, per task: each task keeps
+        its share of every batch in flight, so a slow task is never crowded out."""
         out: list[Start] = []
-        while len(self.groups) < self._capacity():
-            index = self._next_group
-            if self._namer is not None:
-                gid, task, seed = self._namer(index)
-            else:
-                task = self._next_task()
-                gid, seed = f"g{index}", index
-            self._next_group += 1
-            self._task_counts[task] += 1
-            g = GroupState(gid, task, seed, self.version, index // self.cfg.batch_groups)
-            self.groups[gid] = g
-            for _ in range(self.cfg.group_size + self.cfg.redundancy):
-                out.append(self._launch(g))
-            self.counters["groups_started"] += 1
+        usable = self._usable_batches()
+        for task, quota in self.quota.items():
+            have = sum(1 for g in self.groups.values() if g.task == task)
+            while have < usable * quota:
+                n = self._task_counts[task]  # this task's group index (plan order)
+                if self._namer is not None:
+                    gid, seed = self._namer(task, n)
+                else:
+                    gid, seed = f"g{self._next_group}", self._next_group
+                self._next_group += 1
+                self._task_counts[task] += 1
+                g = GroupState(gid, task, seed, self.version, n // quota)
+                self.groups[gid] = g
+                for _ in range(self.cfg.group_size + self.cfg.redundancy):
+                    out.append(self._launch(g))
+                self.counters["groups_started"] += 1
+                have += 1
         return out
 
     def _launch(self, g: GroupState) -> Start:
@@ -184,11 +198,17 @@ class RolloutScheduler:
         oldest version first, then in completion order), or
         None if not enough are complete yet. Stale groups are dropped and counted first."""
         self._drop_stale(update)
-        if len(self.complete) < self.cfg.batch_groups:
-            return None
-        # Oldest policy version first (they go stale first), then completion order.
+        # Each task its share of the batch; within a task the groups begun under the oldest
+        # version first (they go stale first), then completion order.
         ready = sorted(self.complete, key=lambda gid: self.groups[gid].start_version)
-        batch, self.complete = ready[: self.cfg.batch_groups], ready[self.cfg.batch_groups:]
+        batch: list[str] = []
+        for task, n in self.quota.items():
+            picks = [gid for gid in ready if self.groups[gid].task == task][:n]
+            if len(picks) < n:
+                return None  # this task's share is not complete yet
+            batch += picks
+        batch = [gid for gid in ready if gid in batch]
+        self.complete = [gid for gid in ready if gid not in batch]
         self.counters["groups_consumed"] += len(batch)
         self.next_update = update + 1
         return {gid: self.groups.pop(gid).finished for gid in batch}

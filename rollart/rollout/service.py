@@ -34,8 +34,14 @@ from rollart.config import RunConfig
 from rollart.metrics import rollout_metrics
 from rollart.models.chat import ChatFormat
 from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
-from rollart.rollout.plan import group_seed, split_by_share
-from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
+from rollart.rollout.plan import group_seed
+from rollart.rollout.scheduler import (
+    Cancel,
+    RolloutScheduler,
+    SchedulerConfig,
+    Start,
+    split_by_share,
+)
 from rollart.rollout.turn_router import TurnRouter
 from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
@@ -48,20 +54,28 @@ def call(handle: Any, method: str, *args: Any) -> Any:
     return out.result() if hasattr(out, "result") and callable(out.result) else out
 
 
+def _param_count(engine: Any) -> float:
+    """Parameters of the served model: a bare engine's model, or EngineService.param_count."""
+    if hasattr(engine, "model"):
+        return float(sum(p.numel() for p in engine.model.parameters()))
+    return float(call(engine, "param_count"))
+
+
 class EpisodeCancelled(Exception):
     """The episode was cancelled (redundant, stale, timed out) while its request was queued."""
 
 
-def plan_namer(cfg: RunConfig) -> Callable[[int], tuple[str, str, int]]:
-    """Group index k -> the planned group of iteration k // num_groups (same ids and seeds as
-    `plan_iteration`, so ledgers and shards read the same in synchronous and async runs)."""
+def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
+    """(task, n) -> the n-th group of that task in the plan: iteration n // quota, slot
+    n % quota (same ids and seeds as `plan_iteration`, so ledgers and shards read the same in
+    synchronous and async runs)."""
     counts = split_by_share(cfg.rollout.num_groups, [t.share for t in cfg.tasks])
-    slots = [(task, g) for task, n in zip(cfg.tasks, counts, strict=True) for g in range(n)]
+    tasks = {t.name: (t, q) for t, q in zip(cfg.tasks, counts, strict=True)}
 
-    def name(index: int) -> tuple[str, str, int]:
-        iteration, slot = divmod(index, cfg.rollout.num_groups)
-        task, g = slots[slot]
-        return f"{task.name}/i{iteration}/g{g}", task.name, group_seed(cfg, task, iteration, g)
+    def name(task: str, n: int) -> tuple[str, int]:
+        cfg_task, quota = tasks[task]
+        iteration, g = divmod(n, quota)
+        return f"{task}/i{iteration}/g{g}", group_seed(cfg, cfg_task, iteration, g)
 
     return name
 
@@ -209,7 +223,7 @@ class RolloutService:
                             max_staleness=r.max_staleness, redundancy=r.redundancy,
                             max_retries=r.max_retries, max_updates=cfg.iterations,
                             task_shares=tuple((t.name, t.share) for t in cfg.tasks)),
-            version=version, group_of=plan_namer(cfg), first_group=version * r.num_groups)
+            version=version, group_of=plan_namer(cfg), first_iteration=version)
         lockstep = r.batching == "lockstep"
         self.batchers = [
             _Batcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
@@ -218,7 +232,7 @@ class RolloutService:
             for i, e in enumerate(engines)]
         # Continuous batching routes every turn (hardware affinity, stickiness, spill); lockstep
         # keeps each episode on the replica it started on (its batch waits for its members).
-        self.routing = TurnRouter(cfg, lambda: call(engines[0], "param_count"),
+        self.routing = TurnRouter(cfg, lambda: _param_count(engines[0]),
                                   dynamic=not lockstep and len(engines) > 1)
         self.live: dict[str, _Live] = {}
         self.done: dict[str, Trajectory] = {}

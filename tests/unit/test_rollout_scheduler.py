@@ -69,7 +69,7 @@ def test_redundancy_keeps_first_finishers_and_cancels_the_rest():
 
 def test_failure_reissues_same_group_and_seed_then_gives_up():
     s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_retries=1),
-                         group_of=lambda i: (f"g{i}", "default", 100 + i))
+                         group_of=lambda task, i: (f"g{i}", 100 + i))
     starts = s.fill()
     assert {x.seed for x in starts} == {100}
     again, cancels = s.on_failed("g0/m0")
@@ -112,9 +112,9 @@ def test_async_alpha1_keeps_a_batch_running_while_update_runs():
 
 
 def test_group_namer_and_discarded_finishers_of_a_dropped_group():
-    names = lambda i: (f"task/i{i // 2}/g{i % 2}", "task", 7)  # noqa: E731
-    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=2, max_staleness=0),
-                         group_of=names)
+    names = lambda task, i: (f"{task}/i{i // 2}/g{i % 2}", 7)  # noqa: E731
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=2, max_staleness=0,
+                                         task_shares=(("task", 1.0),)), group_of=names)
     starts = s.fill()
     assert [x.episode_id for x in starts][:2] == ["task/i0/g0/m0", "task/i0/g0/m1"]
     s.on_finished("task/i0/g1/m0")  # one of two members finished
