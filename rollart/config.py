@@ -133,6 +133,7 @@ class TaskConfig(_Strict):
     # action names, end of turn). For tiny models trained from scratch; log-probs stay exact.
     constrained: bool = False
     eval_seed_offset: int = 1_000_000  # evaluation seeds are disjoint from training seeds
+    max_new_tokens: int | None = Field(None, gt=0)  # per-turn cap; None: engine.max_new_tokens
     latency: LatencyConfig | None = None  # injected step latency (benchmarks, slow-tool stand-in)
     faults: FaultConfig | None = None  # injected step errors / a hang (resilience tests)
 

@@ -1,7 +1,8 @@
 """Prefect tasks: one thin wrapper per iteration stage (logic lives in rollart.stages).
 
 Tasks are coarse on purpose: a Prefect task through DaskTaskRunner costs ~0.2-0.3 s, so the
-per-turn traffic stays inside `collect` (raw Dask actor calls) and Prefect sees stages.
+per-turn traffic stays inside the rollout service (raw Dask actor calls between its threads,
+the engines and the env hosts) and Prefect sees stages.
 Routing to hardware classes is done by the caller with `dask.annotate(resources=...)`.
 """
 

@@ -61,8 +61,9 @@ def answer_token_ids(chat: ChatFormat, action_names: list[str]) -> list[int]:
 
 def constrained_params(params: SamplingParams, chat: ChatFormat,
                        tasks: list[TaskConfig]) -> dict[str, SamplingParams]:
-    """Per-task sampling params; constrained tasks get `allowed_token_ids` (built from the env's
-    action names, so this runs where env code may run: an env-class worker)."""
+    """Per-task sampling params: the task's `max_new_tokens` if set; constrained tasks get
+    `allowed_token_ids` (built from the env's action names, so this runs where env code may
+    run: an env-class worker)."""
     out = {}
     for task in tasks:
         allowed = None
@@ -70,7 +71,8 @@ def constrained_params(params: SamplingParams, chat: ChatFormat,
             env = make_env(task)
             allowed = answer_token_ids(chat, list(env.action_names))
             env.close()
-        out[task.name] = replace(params, allowed_token_ids=allowed)
+        out[task.name] = replace(params, allowed_token_ids=allowed,
+                                 max_new_tokens=task.max_new_tokens or params.max_new_tokens)
     return out
 
 

@@ -195,9 +195,16 @@ class RolloutScheduler:
 
     def take_batch(self, update: int) -> dict[str, list[str]] | None:
         """{group id: kept episode ids} for update `update` (complete groups begun under the
-        oldest version first, then in completion order), or
-        None if not enough are complete yet. Stale groups are dropped and counted first."""
+        oldest version first, then in completion order), or None while a task's share is not
+        complete or a group that expires at this update still runs. Groups already past the
+        bound (the engines moved on without consuming them) are dropped and counted first."""
         self._drop_stale(update)
+        # A group that could feed no later update (begun max_staleness versions ago) is waited
+        # for, not dropped: dropping it would bias batches towards groups that finish fast (in
+        # FrozenLake: short episodes, i.e. failures). Measured: benchmarks/async_vs_sync.py.
+        if any(update - g.start_version >= self.cfg.max_staleness
+               and not g.complete(self.cfg.group_size) for g in self.groups.values()):
+            return None
         # Each task its share of the batch; within a task the groups begun under the oldest
         # version first (they go stale first), then completion order.
         ready = sorted(self.complete, key=lambda gid: self.groups[gid].start_version)

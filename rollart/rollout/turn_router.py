@@ -10,6 +10,7 @@ lockstep batching, turns stay on the replica the episode started on.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 from rollart.config import RunConfig
@@ -24,6 +25,7 @@ class TurnRouter:
         self.profiles = task_profiles(cfg)
         self.router = build_router(cfg, param_count()) if dynamic else None
         self.lock = threading.Lock()
+        self.placed: Counter[tuple[str, str]] = Counter()  # (task, hardware class) -> turns
 
     def route(self, episode_id: str, task: str, req: GenerationRequest, new_tokens: int,
               default: int) -> int:
@@ -36,6 +38,7 @@ class TurnRouter:
                 context_tokens=len(req.prompt_ids) - new_tokens,
                 decode_tokens=self.profiles.expected_decode_tokens(
                     task, prior=req.params.max_new_tokens)))
+            self.placed[(task, d.hw_class)] += 1
         return int(d.replica_id.rsplit("-", 1)[1])  # "engine-{i}"
 
     def served(self, engine: int, request_ids: list[str], busy_s: float) -> None:
@@ -59,4 +62,6 @@ class TurnRouter:
             out = self.profiles.metrics()
             if self.router is not None:
                 out.update({f"rollout/{k}": float(v) for k, v in self.router.metrics().items()})
+                for (task, hw), n in self.placed.items():  # where each task's turns ran
+                    out[f"rollout/router/{task}/turns_on/{hw}"] = float(n)
         return out

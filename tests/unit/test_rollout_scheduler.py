@@ -27,9 +27,9 @@ def test_synchronous_baseline_alpha0_admits_one_batch():
     assert {x.version for x in s.fill()} == {1}
 
 
-def test_staleness_bound_drops_exactly_past_alpha():
+def test_staleness_bound_waits_for_expiring_groups_and_drops_past_it():
     s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_staleness=1))
-    first = s.fill()  # g0, g1 at version 0 (capacity 2 groups)
+    first = s.fill()  # g0, g1 at version 0 (room for updates 0 and 1)
     assert sorted({x.group_id for x in first}) == ["g0", "g1"]
     _finish_group(s, first, "g0", 2)
     assert list(s.take_batch(0)) == ["g0"]
@@ -37,13 +37,22 @@ def test_staleness_bound_drops_exactly_past_alpha():
     second = s.fill()
     assert [x.group_id for x in second] == ["g2", "g2"] and second[0].version == 1
     _finish_group(s, second, "g2", 2)
-    assert list(s.take_batch(1)) == ["g2"]  # g1 is incomplete; g2 is ready
-    cancels = s.on_version(2)  # update 2 - version 0 = 2 > 1: g1 is stale now
-    assert {c.episode_id for c in cancels} == {"g1/m0", "g1/m1"}
+    # g1 expires at update 1 (1 - 0 = alpha): it is waited for, not dropped for the quicker g2
+    # (dropping would bias batches towards groups that finish fast).
+    assert s.take_batch(1) is None
+    _finish_group(s, first, "g1", 2)
+    assert list(s.take_batch(1)) == ["g1"]
+    s.on_version(2)
+    third = s.fill()
+    assert [x.group_id for x in third] == ["g3", "g3"]
+    # Past the bound: the engines move on to version 4 without updates 2 and 3 taking anything.
+    cancels = s.on_version(4)  # g2 (v1, complete) and g3 (v2, running): 4 - 1, 4 - 2 > 1
+    assert {c.episode_id for c in cancels} == {"g3/m0", "g3/m1"}
     assert {c.reason for c in cancels} == {"stale"}
-    assert s.counters["dropped_stale_groups"] == 1
+    assert s.counters["dropped_stale_groups"] == 2
+    assert s.discarded == [("g2/m0", "stale"), ("g2/m1", "stale")]
     # A result that arrives for a dropped episode is ignored, not counted twice.
-    assert s.on_finished("g1/m0") == [] and s.counters["late_results"] == 1
+    assert s.on_finished("g3/m0") == [] and s.counters["late_results"] == 1
 
 
 def test_complete_group_that_went_stale_is_dropped_at_take_batch():
