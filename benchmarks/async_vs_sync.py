@@ -37,6 +37,7 @@ VARIANTS = {
     "sync_c": ["rollout.max_staleness=0", "rollout.batching=continuous"],
     "async1": ["rollout.max_staleness=1", "rollout.batching=continuous"],
     "async2": ["rollout.max_staleness=2", "rollout.batching=continuous"],
+    "async1_lockstep": ["rollout.max_staleness=1", "rollout.batching=lockstep"],
 }
 
 SLOW = "{median_s: 0.02, sigma: 0.5, tail_prob: 0.05, tail_s: 0.4, tail_alpha: 1.5}"
@@ -55,8 +56,10 @@ def workload(iterations: int, root: str) -> list[str]:
             "storage.save_every=100000", "storage.shards=false", "train.lr=0.002"]
 
 
-def run_variant(name: str, iterations: int, root: str, tail: int) -> dict:
-    cfg = load_config("configs/default.yaml", workload(iterations, root) + VARIANTS[name])
+def run_variant(name: str, iterations: int, root: str, tail: int,
+                extra: list[str] | None = None) -> dict:
+    cfg = load_config("configs/default.yaml",
+                      workload(iterations, root) + VARIANTS[name] + list(extra or []))
     t0 = time.perf_counter()
     out = run_local(cfg, f"{name}-{int(time.time())}",
                     on_iteration=lambda r: print(name, r, flush=True))
@@ -89,10 +92,17 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=10, help="iterations averaged for final reward")
     ap.add_argument("--variants", default="sync,async1,async2", help="also: sync_c")
     ap.add_argument("--out", default="results/async_vs_sync.json")
+    ap.add_argument("--set", action="append", default=[], dest="extra",
+                    help="extra override for every variant, e.g. train.lr=0.001")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="rollart-async-")
-    res = {v: run_variant(v, args.iterations, root, args.tail) for v in args.variants.split(",")}
-    sync, fast = res["sync"], res.get("async1", {})
+    res = {v: run_variant(v, args.iterations, root, args.tail, args.extra)
+           for v in args.variants.split(",")}
+    sync, fast = res.get("sync", {}), res.get("async1", {})
+    if not sync or not fast:  # a partial comparison (--variants): no headline figures
+        Path(args.out).write_text(json.dumps({"variants": res}, indent=2))
+        print({k: (round(v["wall_s"], 1), round(v["final_reward"], 3)) for k, v in res.items()})
+        return
     out = {
         "iterations": args.iterations,
         "workload": workload(args.iterations, "<tmp>"),

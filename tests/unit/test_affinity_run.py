@@ -17,8 +17,10 @@ def test_mixed_tasks_on_two_pools(tmp_path):
     last = out["curve"][-1]
     assert last["rollout/lake8/episodes"] == 4 and last["rollout/arith/episodes"] == 4
     p = "rollout/profile"
-    # Long observations per turn vs a long answer: the profiles tell the tasks apart.
-    assert last[f"{p}/lake8/new_prompt_tokens"] > 3 * last[f"{p}/arith/new_prompt_tokens"]
+    # A map per turn and a 3-token action vs a short problem and a long answer: the online
+    # profiles tell the prefill-heavy task from the decode-heavy one.
+    ratio = f"{p}/lake8/prefill_decode_ratio", f"{p}/arith/prefill_decode_ratio"
+    assert last[ratio[0]] > 4 * last[ratio[1]], (last[ratio[0]], last[ratio[1]])
     assert last[f"{p}/arith/decode_tokens"] > 3 * last[f"{p}/lake8/decode_tokens"]
     placed = {k: v for k, v in last.items() if "/turns_on/" in k}
     assert {k.split("/")[2] for k in placed} == {"lake8", "arith"}, placed
