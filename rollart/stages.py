@@ -17,9 +17,10 @@ from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import RunConfig, config_from_dict, dump_config
 from rollart.metrics import reward_metrics, rollout_metrics
 from rollart.rewards.client import make_reward_client
+from rollart.rollout.batcher import call
 from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
 from rollart.rollout.plan import plan_eval
-from rollart.rollout.service import RolloutService, call
+from rollart.rollout.service import RolloutService
 from rollart.services import chat_format, prepare_tokenizer, worker_identity
 from rollart.storage.background import shard_writer
 from rollart.storage.store import RunStore

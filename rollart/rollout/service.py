@@ -26,13 +26,13 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollart.config import RunConfig
 from rollart.metrics import rollout_metrics
 from rollart.models.chat import ChatFormat
+from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode, call
 from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
 from rollart.rollout.plan import group_seed
 from rollart.rollout.scheduler import (
@@ -43,15 +43,9 @@ from rollart.rollout.scheduler import (
     split_by_share,
 )
 from rollart.rollout.turn_router import TurnRouter
-from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
+from rollart.types import GenerationRequest, SamplingParams, Trajectory
 
 Drop = tuple[str, int, str]  # (sample id, iteration, reason) for the sample ledger
-
-
-def call(handle: Any, method: str, *args: Any) -> Any:
-    """A Dask actor call (returns a future) or a plain method call, uniformly."""
-    out = getattr(handle, method)(*args)
-    return out.result() if hasattr(out, "result") and callable(out.result) else out
 
 
 def _param_count(engine: Any) -> float:
@@ -59,10 +53,6 @@ def _param_count(engine: Any) -> float:
     if hasattr(engine, "model"):
         return float(sum(p.numel() for p in engine.model.parameters()))
     return float(call(engine, "param_count"))
-
-
-class EpisodeCancelled(Exception):
-    """The episode was cancelled (redundant, stale, timed out) while its request was queued."""
 
 
 def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
@@ -80,101 +70,10 @@ def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
     return name
 
 
-@dataclass
-class _Live:
-    start: Start
-    engine: int
-    host: int
-    cancelled: bool = False
-    deadline: float | None = None  # monotonic time an env call in progress must end by
-
-    @property
-    def id(self) -> str:
-        return self.start.episode_id
-
-
-class _Batcher:
-    """Batches the turns of many episodes for one engine replica: continuous (whatever is
-    ready goes), or lockstep when `members` is given (wait for a turn of each of the `members()`
-    live episodes on this engine; requests sorted by id, so batches are deterministic)."""
-
-    def __init__(self, engine: Any, max_batch: int, wait_s: float,
-                 members: Callable[[], int] | None = None,
-                 on_served: Callable[[list[str], float], None] | None = None) -> None:
-        self.engine, self.max_batch, self.wait_s = engine, max_batch, wait_s
-        self.members = members
-        self.on_served = on_served  # (request ids, busy seconds) after each engine call
-        self.queue: deque[tuple[GenerationRequest, Future, _Live]] = deque()
-        self.cv = threading.Condition()
-        self.busy_s = 0.0
-        self.calls = 0
-        self.stopping = False
-        self.thread: threading.Thread | None = None
-
-    def generate(self, request: GenerationRequest, live: _Live) -> Completion:
-        fut: Future[Completion] = Future()
-        with self.cv:
-            self.queue.append((request, fut, live))
-            self.cv.notify()
-        return fut.result()
-
-    def _ready(self) -> bool:
-        if not self.queue:
-            return False
-        return self.members is None or len(self.queue) >= min(self.members(), self.max_batch)
-
-    def stop(self) -> None:
-        """Fail queued turns, let the call in progress finish, end the thread."""
-        with self.cv:
-            self.stopping = True
-            while self.queue:
-                self.queue.popleft()[1].set_exception(EpisodeCancelled())
-            self.cv.notify_all()
-        if self.thread is not None and self.thread.is_alive():
-            self.thread.join(timeout=30.0)
-
-    def loop(self) -> None:
-        while True:
-            with self.cv:
-                while not self.stopping and not self._ready():
-                    self.cv.wait(0.01 if self.members else None)
-                if self.stopping:
-                    return
-            if not self.members and self.wait_s and len(self.queue) < self.max_batch:
-                time.sleep(self.wait_s)  # let the other episodes' turns join this batch
-            with self.cv:
-                if self.stopping:
-                    return
-                queued = sorted(self.queue, key=lambda x: x[0].request_id)
-                items = queued[: self.max_batch]
-                self.queue = deque(queued[self.max_batch:])
-            for _, fut, live in items:
-                if live.cancelled:
-                    fut.set_exception(EpisodeCancelled())
-            items = [x for x in items if not x[2].cancelled]
-            if not items:
-                continue
-            t0 = time.perf_counter()
-            try:
-                out = call(self.engine, "generate", [r for r, _, _ in items])
-            except Exception as err:  # an engine failure fails these turns' episodes
-                for _, fut, _ in items:
-                    fut.set_exception(err)
-                continue
-            finally:
-                busy = time.perf_counter() - t0
-                self.busy_s += busy
-                self.calls += 1
-                if self.on_served is not None:
-                    self.on_served([r.request_id for r, _, _ in items], busy)
-            for (_, fut, _), comp in zip(items, out, strict=True):
-                fut.set_result(comp)
-
-
 class _HostedEnv:
     """The Env interface over an env host handle; arms the watchdog around every call."""
 
-    def __init__(self, svc: RolloutService, live: _Live) -> None:
+    def __init__(self, svc: RolloutService, live: LiveEpisode) -> None:
         self.svc, self.live = svc, live
         self.system_prompt = ""
 
@@ -226,7 +125,7 @@ class RolloutService:
             version=version, group_of=plan_namer(cfg), first_iteration=version)
         lockstep = r.batching == "lockstep"
         self.batchers = [
-            _Batcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
+            EngineBatcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
                      (lambda i=i: self._members(i)) if lockstep else None,
                      lambda ids, busy, i=i: self.routing.served(i, ids, busy))
             for i, e in enumerate(engines)]
@@ -234,7 +133,7 @@ class RolloutService:
         # keeps each episode on the replica it started on (its batch waits for its members).
         self.routing = TurnRouter(cfg, lambda: _param_count(engines[0]),
                                   dynamic=not lockstep and len(engines) > 1)
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, LiveEpisode] = {}
         self.done: dict[str, Trajectory] = {}
         self.totals = _Totals()
         self.lock = threading.Condition()
@@ -334,13 +233,14 @@ class RolloutService:
         for st in starts:
             on_engine = Counter(x.engine for x in self.live.values())
             on_host = Counter(x.host for x in self.live.values())
-            live = _Live(st, engine=min(range(len(self.batchers)), key=lambda i: on_engine[i]),
-                         host=min(alive, key=lambda i: on_host[i]))
+            live = LiveEpisode(st,
+                               engine=min(range(len(self.batchers)), key=lambda i: on_engine[i]),
+                               host=min(alive, key=lambda i: on_host[i]))
             self.live[st.episode_id] = live
             self._launched[st.episode_id] = next(self._seq)
             self._spawn(self._run, live, name=f"episode {st.episode_id}")
 
-    def _run(self, live: _Live) -> None:
+    def _run(self, live: LiveEpisode) -> None:
         st = live.start
         params = self.params[st.task]
         spec = EpisodeSpec(self.tasks[st.task], st.seed, st.group_id, st.episode_id, st.iteration)
@@ -373,7 +273,7 @@ class RolloutService:
             self.recent_errors.append(f"{live.id}: {ep.traj.error}")
             self._failed(live, "env_error", timeout=False)
 
-    def _score(self, live: _Live, traj: Trajectory) -> None:
+    def _score(self, live: LiveEpisode, traj: Trajectory) -> None:
         try:
             self.reward.submit(traj).result()
         except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
@@ -393,7 +293,7 @@ class RolloutService:
             self.lock.notify_all()
             self._fill()
 
-    def _failed(self, live: _Live, reason: str, timeout: bool) -> None:
+    def _failed(self, live: LiveEpisode, reason: str, timeout: bool) -> None:
         with self.lock:
             if self.live.pop(live.id, None) is None:
                 return
