@@ -1,0 +1,168 @@
+"""Config sections for the external services (rewards on Lambda, the store) and for routing.
+
+Split out of rollart/config.py to keep modules small; import them from `rollart.config`, which
+re-exports them. Same rules: unknown keys fail, errors say how to fix them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rollart.config_base import _Strict
+
+
+class RewardConfig(_Strict):
+    """How episodes are scored. `local` runs the handler in-process; `lambda` invokes an AWS
+    Lambda function (real AWS, or the local endpoint through `endpoint_url`) as each episode
+    finishes. Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID/... or a profile."""
+
+    backend: Literal["local", "lambda"] = "local"
+    # backend "lambda" with no endpoint_url: the run starts the local Lambda endpoint (loopback,
+    # awslambdaric workers, scale to zero) and registers `function` under the Lambda name.
+    embedded_endpoint: bool = True
+    function: str = "env_outcome"  # handler name (registry) or dotted module.function path
+    function_name: str | None = None  # Lambda function name or ARN; None: `function`
+    alias: str | None = None  # Lambda qualifier: alias name or version number
+    endpoint_url: str | None = None  # None: real AWS; http://127.0.0.1:PORT: local endpoint
+    region: str = "us-east-1"
+    max_concurrency: int = Field(32, ge=1, le=1000)  # invocations in flight from this client
+    timeout_s: float = Field(60.0, gt=0.0, le=900.0)  # per call (socket read timeout)
+    max_retries: int = Field(5, ge=0, le=50)  # per episode, for throttles, 5xx, timeouts
+    # A handler error (FunctionError): retry (then fail), score 0 and flag it, or fail the run.
+    on_error: Literal["retry", "zero", "fail"] = "retry"
+    backoff_base_s: float = Field(0.05, gt=0.0)  # jittered exponential backoff: base ...
+    backoff_max_s: float = Field(5.0, gt=0.0)  # ... and cap
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        import re
+
+        from rollart.rewards.registry import known_handler
+
+        lambda_name = r"^(arn:aws[a-zA-Z-]*:lambda:[a-z0-9-]+:\d{12}:function:)?[\w-]{1,64}$"
+        qualifier = r"^(\$LATEST|[0-9]+|[\w-]*[a-zA-Z_-][\w-]*)$"
+
+        runs_here = self.backend == "local" or (
+            self.embedded_endpoint and self.endpoint_url is None)  # our endpoint runs it
+        if runs_here and not known_handler(self.function):
+            from rollart.rewards.registry import HANDLERS
+
+            raise ValueError(
+                f"reward.function {self.function!r} is not a known handler; known: "
+                f"{sorted(HANDLERS)} (or a dotted module.function path)"
+            )
+        if self.backend == "lambda":
+            name = self.function_name or self.function
+            if not re.match(lambda_name, name, re.ASCII):
+                raise ValueError(
+                    f"reward.function_name {name!r} is not a Lambda function name or ARN "
+                    "(letters, digits, - and _, at most 64)"
+                )
+        if self.alias is not None and not re.match(qualifier, self.alias, re.ASCII):
+            raise ValueError(f"reward.alias {self.alias!r} must be an alias name or a version")
+        if self.endpoint_url is not None and not re.match(r"^https?://[^/\s]+", self.endpoint_url):
+            raise ValueError("reward.endpoint_url must look like http://host:port (or null)")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("reward.backoff_max_s must be >= reward.backoff_base_s")
+        return self
+
+    @property
+    def lambda_name(self) -> str:
+        return self.function_name or self.function
+
+
+class StorageConfig(_Strict):
+    """Where the run's store lives and how it is reached. Same code for a local path, `file://`
+    and `s3://bucket/prefix` (AWS S3, SeaweedFS, MinIO, any S3-compatible endpoint).
+
+    Credentials never live here: they come from the environment (AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY, or a profile) or from a Prefect Secret block named by
+    `credentials_block` whose value is {"aws_access_key_id": ..., "aws_secret_access_key": ...}.
+    """
+
+    root: str = "artifacts"  # local path or fsspec URL (file://..., s3://bucket/prefix)
+    save_every: int = Field(5, gt=0)  # checkpoint every N iterations (and after the last)
+    keep_last: int = Field(2, gt=0)  # retention: complete checkpoints kept
+    shards: bool = True  # write trajectory shards (Parquet), off the critical path
+    background_upload: bool = True  # upload checkpoints in the background (False: block)
+    # S3 only. endpoint_url None: AWS (or AWS_ENDPOINT_URL_S3 from the environment).
+    endpoint_url: str | None = None
+    region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / profile, else us-east-1
+    profile: str | None = None  # AWS shared-credentials profile name
+    credentials_block: str | None = None  # Prefect Secret block name (the name, never the key)
+    create_bucket: bool = False  # create the bucket at start when it does not exist
+    retry_timeout_s: float = Field(120.0, gt=0.0)  # keep retrying transient errors this long
+    # Weight versions in the store (weights/v{n}/): publish every N versions (0: never) in the
+    # background; `sync_via_store` makes engines pull each version from the store instead of
+    # the direct trainer -> engine transfer (engines on another cluster).
+    weights_every: int = Field(0, ge=0)
+    weights_keep_last: int = Field(2, gt=0)
+    sync_via_store: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> StorageConfig:
+        import re
+
+        root = self.root.strip()
+        if not root:
+            raise ValueError("storage.root must be a directory or a URL such as s3://bucket/prefix")
+        scheme = root.split("://", 1)[0].lower() if "://" in root else "file"
+        if scheme in ("s3", "s3a"):
+            bucket = root.split("://", 1)[1].split("/", 1)[0]
+            if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+                raise ValueError(
+                    f"storage.root {root!r}: S3 bucket name {bucket!r} is not valid (3-63 "
+                    "lowercase letters, digits, '.' and '-')"
+                )
+        elif self.endpoint_url or self.region or self.profile or self.credentials_block:
+            raise ValueError(
+                "storage.endpoint_url/region/profile/credentials_block apply to s3:// roots "
+                f"only, but storage.root is {root!r}"
+            )
+        if self.endpoint_url is not None and not re.match(r"^https?://[^/\s]+/?$",
+                                                          self.endpoint_url):
+            raise ValueError("storage.endpoint_url must look like http(s)://host[:port] (or null)")
+        if self.credentials_block is not None and not re.fullmatch(
+                r"[a-z0-9][a-z0-9-]*", self.credentials_block):
+            raise ValueError(
+                "storage.credentials_block is the *name* of a Prefect Secret block (lowercase "
+                "letters, digits and '-'), never the secret itself"
+            )
+        if self.credentials_block and self.profile:
+            raise ValueError("set storage.credentials_block or storage.profile, not both")
+        return self
+
+
+class SlowdownConfig(_Strict):
+    """Emulation factors for one class: its prefill / decode steps take this many times the
+    measured host time (>= 1; emulation can only slow a replica down)."""
+
+    prefill: float = Field(1.0, ge=1.0)
+    decode: float = Field(1.0, ge=1.0)
+
+
+class EmulationConfig(_Strict):
+    """Emulated heterogeneity (benchmarks): on one CPU host every engine pool is the same
+    hardware, so each replica sleeps (factor - 1) x its measured prefill / decode compute time.
+    Off by default; never on in a real cluster."""
+
+    enabled: bool = False
+    # Explicit factors per class; classes not listed get factors derived from `hardware`
+    # (rollart.routing.catalog.emulation_slowdowns: fastest class per phase = 1).
+    factors: dict[str, SlowdownConfig] = {}
+
+
+class RoutingConfig(_Strict):
+    """How generation requests are mapped to engine replicas (rollart.routing.router)."""
+
+    policy: Literal["affinity", "round_robin", "least_loaded"] = "affinity"
+    # Keep an episode on its replica across turns (prefix-cache reuse) unless that replica's
+    # estimated wait exceeds the smallest wait by more than imbalance_threshold_s.
+    sticky: bool = True
+    imbalance_threshold_s: float = Field(1.0, ge=0.0)
+    prefix_cache: bool | None = None  # engines reuse cached prefixes; None: from engine.backend
+    decode_batch: int = Field(8, gt=0)  # rows sharing one weight read per decode step (cost model)
+    profile_alpha: float = Field(0.2, gt=0.0, le=1.0)  # EMA weight of task profiles
+    emulation: EmulationConfig = EmulationConfig()
