@@ -126,8 +126,8 @@ class RolloutService:
         lockstep = r.batching == "lockstep"
         self.batchers = [
             EngineBatcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
-                     (lambda i=i: self._members(i)) if lockstep else None,
-                     lambda ids, busy, i=i: self.routing.served(i, ids, busy))
+                          (lambda i=i: self._members(i)) if lockstep else None,
+                          lambda ids, busy, i=i: self.routing.served(i, ids, busy))
             for i, e in enumerate(engines)]
         # Continuous batching routes every turn (hardware affinity, stickiness, spill); lockstep
         # keeps each episode on the replica it started on (its batch waits for its members).
