@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -82,6 +83,12 @@ def run_variant(name: str, iterations: int, root: str, tail: int,
         "slow_task_share": sum(m.get("rollout/lake-slowtool/episodes", 0.0) for m in curve)
         / sum(m["rollout/episodes"] for m in curve),
         "max_token_staleness": max(m.get("train/staleness_max", 0.0) for m in curve),
+        # Weight sync while generating: the engine's blocked time, and the whole sync call
+        # (which also waits for the generate call in progress).
+        "sync_pause_s_median": statistics.median(m["perf/sync_pause_s"] for m in curve),
+        "sync_pause_s_max": max(m["perf/sync_pause_s"] for m in curve),
+        "sync_s_median": statistics.median(m["perf/sync_s"] for m in curve),
+        "sync_s_max": max(m["perf/sync_s"] for m in curve),
         "reward_curve": [round(m["reward/mean"], 4) for m in curve],
     }
 

@@ -42,3 +42,11 @@ class InferenceEngine(Protocol):
     def stats(self) -> dict[str, float]:
         """Counters: tokens generated, generate seconds, requests served, ..."""
         ...
+
+
+def engine_stats(counters: Mapping[str, float], weight_version: int) -> dict[str, float]:
+    """An engine's `stats()`: its counters plus tokens/s and the served weight version."""
+    s = dict(counters)
+    s["tokens_per_s"] = s["tokens_generated"] / s["generate_s"] if s["generate_s"] else 0.0
+    s["weight_version"] = float(weight_version)
+    return s

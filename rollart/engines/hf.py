@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
+from rollart.engines.base import engine_stats
 from rollart.routing.catalog import Slowdown
 from rollart.types import Completion, GenerationRequest
 
@@ -176,10 +177,7 @@ class HFEngine:
         self.is_sleeping = False
 
     def stats(self) -> dict[str, float]:
-        s = dict(self._stats)
-        s["tokens_per_s"] = s["tokens_generated"] / s["generate_s"] if s["generate_s"] else 0.0
-        s["weight_version"] = float(self.weight_version)
-        return s
+        return engine_stats(self._stats, self.weight_version)
 
     # ---------------------------------------------------------------- internals
 

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
+from rollart.engines.base import engine_stats
 from rollart.types import Completion, GenerationRequest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -214,10 +215,7 @@ class VLLMEngine:
             self.is_sleeping = False
 
     def stats(self) -> dict[str, float]:
-        s = dict(self._stats)
-        s["tokens_per_s"] = s["tokens_generated"] / s["generate_s"] if s["generate_s"] else 0.0
-        s["weight_version"] = float(self.weight_version)
-        return s
+        return engine_stats(self._stats, self.weight_version)
 
     @property
     def model(self) -> nn.Module:
