@@ -154,6 +154,9 @@ class RolloutConfig(_Strict):
     max_staleness: int = Field(0, ge=0, le=8)
     redundancy: int = Field(0, ge=0)
     max_retries: int = Field(2, ge=0)
+    # This many failed episodes in a row (no episode finishing in between) end the run with the
+    # last errors: a broken env or engine fails fast instead of retrying forever. 0 disables.
+    max_consecutive_failures: int = Field(64, ge=0)
     env_timeout_s: float = Field(60.0, gt=0.0)  # one env reset/step; past it the episode fails
     env_host_threads: int = Field(64, gt=0)  # concurrent env calls per env host (CPU worker)
     # "lockstep": an engine's batch waits for a turn of every live episode on it (the classic

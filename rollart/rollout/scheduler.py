@@ -66,6 +66,7 @@ class SchedulerConfig:
     redundancy: int = 0
     max_retries: int = 2
     max_updates: int | None = None  # updates the run will take; no group starts after the last
+    max_consecutive_failures: int = 0  # this many failures in a row make `halted` true; 0: never
     task_shares: tuple[tuple[str, float], ...] = (("default", 1.0),)
 
 
@@ -106,6 +107,13 @@ class RolloutScheduler:
         self._task_counts: Counter[str] = Counter(
             {t: first_iteration * q for t, q in self.quota.items()})
         self._namer = group_of
+        self.consecutive_failures = 0  # failed episodes since the last one that finished
+
+    @property
+    def halted(self) -> bool:
+        """Every recent episode failed: retrying further would only spin (prime-rl halts too)."""
+        limit = self.cfg.max_consecutive_failures
+        return limit > 0 and self.consecutive_failures >= limit
 
     # ---- admission -----------------------------------------------------------------------
     def _usable_batches(self) -> int:
@@ -121,6 +129,8 @@ class RolloutScheduler:
         """Start new groups up to capacity under the current version, per task: each task keeps
         its share of every batch in flight, so a slow task is never crowded out."""
         out: list[Start] = []
+        if self.halted:
+            return out
         usable = self._usable_batches()
         for task, quota in self.quota.items():
             have = sum(1 for g in self.groups.values() if g.task == task)
@@ -155,6 +165,7 @@ class RolloutScheduler:
             self.counters["late_results"] += 1  # cancelled or dropped earlier: ignore
             return []
         g.running.discard(episode_id)
+        self.consecutive_failures = 0
         if g.complete(self.cfg.group_size):
             return []
         g.finished.append(episode_id)
@@ -168,15 +179,19 @@ class RolloutScheduler:
             g.running.discard(e.episode_id)
         return cancels
 
-    def on_failed(self, episode_id: str, timeout: bool = False) -> tuple[list[Start], list[Cancel]]:
-        """An episode raised, hung past its timeout, or lost its worker: re-issue or give up."""
+    def on_failed(self, episode_id: str, timeout: bool = False, worker_lost: bool = False
+                  ) -> tuple[list[Start], list[Cancel]]:
+        """An episode raised, hung past its timeout, or lost its worker: re-issue or give up.
+        A lost worker's episodes do not count towards `halted` (a whole host's episodes fail
+        at once, and they are re-issued on the others)."""
         g = self._group_of(episode_id)
         if g is None or episode_id not in g.running:
             return [], []
         g.running.discard(episode_id)
         g.failures += 1
+        self.consecutive_failures += 0 if worker_lost else 1
         self.counters["timeouts" if timeout else "failed"] += 1
-        if g.complete(self.cfg.group_size):
+        if g.complete(self.cfg.group_size) or self.halted:
             return [], []
         # Retry budget per group: max_retries re-issues per member slot.
         if g.failures <= self.cfg.max_retries * self.cfg.group_size:

@@ -121,6 +121,7 @@ class RolloutService:
             SchedulerConfig(group_size=r.group_size, batch_groups=r.num_groups,
                             max_staleness=r.max_staleness, redundancy=r.redundancy,
                             max_retries=r.max_retries, max_updates=cfg.iterations,
+                            max_consecutive_failures=r.max_consecutive_failures,
                             task_shares=tuple((t.name, t.share) for t in cfg.tasks)),
             version=version, group_of=plan_namer(cfg), first_iteration=version)
         lockstep = r.batching == "lockstep"
@@ -299,10 +300,17 @@ class RolloutService:
                 return
             live.cancelled = True  # the scheduler counts it (failed / timeouts)
             self._drop(live.start, reason)
-            starts, cancels = self.sched.on_failed(live.id, timeout=timeout)
+            starts, cancels = self.sched.on_failed(live.id, timeout=timeout,
+                                                   worker_lost=reason == "host_lost")
             self._cancel(cancels)
             self._launch(starts)
             self._fill()
+            if self.sched.halted and self.fatal is None:
+                self.fatal = RuntimeError(
+                    f"{self.sched.consecutive_failures} episodes failed in a row "
+                    f"(rollout.max_consecutive_failures); last errors: "
+                    f"{list(self.recent_errors)[-3:]}")
+                self.lock.notify_all()
 
     def _cancel(self, cancels: list[Cancel]) -> None:
         for c in cancels:
@@ -354,6 +362,9 @@ class RolloutService:
             now = time.monotonic()
             for live in list(self.live.values()):
                 if live.deadline is not None and now > live.deadline:
+                    self.recent_errors.append(
+                        f"{live.id}: env call past rollout.env_timeout_s "
+                        f"({self.cfg.rollout.env_timeout_s} s)")
                     self._failed(live, "timeout", timeout=True)
                     if live.host not in self._probing and self.hosts_alive[live.host]:
                         self._probing.add(live.host)

@@ -130,3 +130,32 @@ def test_group_namer_and_discarded_finishers_of_a_dropped_group():
     s.version = 1  # the engines moved on: the group is stale at update 1
     s.take_batch(1)
     assert s.discarded == [("task/i0/g1/m0", "stale")]
+
+
+def test_consecutive_failures_halt_and_a_finisher_resets_the_count():
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=2, max_retries=5,
+                                         max_consecutive_failures=3),
+                         group_of=lambda task, i: (f"g{i}", i))
+    s.fill()  # g0/m0, g0/m1, g1/m0, g1/m1
+    s.on_failed("g0/m0")
+    s.on_failed("g0/m1")
+    s.on_finished("g1/m0")  # one success in between: the streak starts over
+    assert s.consecutive_failures == 0 and not s.halted
+    # A lost worker fails a whole host's episodes at once: that is routed around, not a streak.
+    s.on_failed("g1/m1", worker_lost=True)
+    assert s.consecutive_failures == 0
+    again1, _ = s.on_failed("g0/m2")
+    again2, _ = s.on_failed("g0/m3")
+    assert len(again1) == len(again2) == 1 and not s.halted
+    again3, _ = s.on_failed("g1/m2")  # third in a row: halted, nothing re-issued or started
+    assert s.halted and again3 == [] and s.fill() == []
+    assert s.counters["failed"] == 6
+
+
+def test_zero_disables_the_consecutive_failure_halt():
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_retries=100),
+                         group_of=lambda task, i: (f"g{i}", i))
+    s.fill()
+    for k in range(50):
+        s.on_failed(f"g0/m{k}")
+    assert not s.halted and s.consecutive_failures == 50

@@ -82,3 +82,17 @@ def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, o
     else:
         assert c["retried"] == failures
         assert c.get("dropped_stale_groups", 0) == 0 and c.get("cancelled_stale", 0) == 0
+
+
+def test_an_env_that_always_fails_ends_the_run_with_its_error(policy):
+    broken = ("tasks=[{name: lake, env_id: FrozenLake-v1, max_turns: 3, constrained: true, "
+              "faults: {step_error_rate: 0.99}}]")
+    svc = _service(policy, broken, "rollout.max_consecutive_failures=8")
+    svc.start()
+    try:
+        with pytest.raises(RuntimeError, match="8 episodes failed in a row") as err:
+            svc.take_batch(0, timeout=60)
+    finally:
+        stats = svc.stop()
+    assert "InjectedFault: injected env step error" in str(err.value)  # the cause, not just a count
+    assert stats["counters"]["failed"] >= 8
