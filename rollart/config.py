@@ -6,6 +6,7 @@ the dotted path of the offending key. `load_config(path, overrides)` is the only
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +108,14 @@ class LatencyConfig(_Strict):
     tail_prob: float = Field(0.0, ge=0.0, le=1.0)
     tail_s: float = Field(0.0, ge=0.0)
     tail_alpha: float = Field(2.0, gt=1.0)
+
+    def sample(self, rng: random.Random) -> float:
+        """One step's delay in seconds. LatencyEnv sleeps it; the simulator (rollart/sim) adds
+        it to simulated time, so both draw from the same distribution by construction."""
+        d = self.median_s * rng.lognormvariate(0.0, self.sigma) if self.median_s else 0.0
+        if self.tail_prob and rng.random() < self.tail_prob:
+            d += self.tail_s * rng.paretovariate(self.tail_alpha)
+        return d
 
 
 class FaultConfig(_Strict):

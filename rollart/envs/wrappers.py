@@ -65,11 +65,7 @@ class LatencyEnv(_Wrapper):
         return self.env.reset(seed=seed)
 
     def delay(self) -> float:
-        c = self.cfg
-        d = c.median_s * self.rng.lognormvariate(0.0, c.sigma) if c.median_s else 0.0
-        if c.tail_prob and self.rng.random() < c.tail_prob:
-            d += c.tail_s * self.rng.paretovariate(c.tail_alpha)
-        return d
+        return self.cfg.sample(self.rng)  # shared with the simulator (rollart/sim)
 
     def step(self, action_text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         time.sleep(self.delay())
