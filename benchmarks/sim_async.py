@@ -44,7 +44,7 @@ from rollart.sim import EngineModel, SimConfig, TaskModel, TrainerModel, simulat
 SLOW = LatencyConfig(median_s=0.02, sigma=0.5, tail_prob=0.05, tail_s=0.4, tail_alpha=1.5)
 VARIANTS = {"sync": (0, "lockstep"), "sync_c": (0, "continuous"),
             "async1": (1, "continuous"), "async2": (2, "continuous")}
-MEASURED = [Path("results/async_vs_sync.json"), Path("/work/main/results/async_vs_sync.json")]
+MEASURED = [Path("results/async_vs_sync.json")]
 CALLS, TURNS = 8, 32 * 4.5  # per iteration under lockstep (see the docstring)
 FALLBACK = {"update_s": 0.379, "sync_s": 0.076, "engine_s": 0.235}  # from the 100-it. run
 
