@@ -6,7 +6,6 @@ the dotted path of the offending key. `load_config(path, overrides)` is the only
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +15,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from rollart.config_base import ConfigError, _Strict
 from rollart.config_sections import (
     EmulationConfig,
+    FaultConfig,
+    LatencyConfig,
     RewardConfig,
     RoutingConfig,
     SlowdownConfig,
@@ -23,8 +24,9 @@ from rollart.config_sections import (
 )
 from rollart.routing.catalog import HardwareClass, default_catalog
 
-__all__ = ["ConfigError", "EmulationConfig", "RewardConfig", "RoutingConfig", "RunConfig",
-           "SlowdownConfig", "StorageConfig", "config_from_dict", "load_config"]
+__all__ = ["ConfigError", "EmulationConfig", "FaultConfig", "LatencyConfig", "RewardConfig",
+           "RoutingConfig", "RunConfig", "SlowdownConfig", "StorageConfig", "config_from_dict",
+           "load_config"]
 
 
 class TinyModelConfig(_Strict):
@@ -96,35 +98,6 @@ class EngineConfig(_Strict):
     stop: list[str] = ["</answer>"]
     max_batch_size: int = Field(256, gt=0)
     threads: int = Field(2, gt=0)  # torch intra-op threads on the engine worker while generating
-
-
-class LatencyConfig(_Strict):
-    """Injected env step latency that stands for slow tools or sandboxes (a heavy tail):
-    every step sleeps lognormal(median_s, sigma); with probability tail_prob it also stalls
-    for tail_s x Pareto(tail_alpha) (>= tail_s, mean tail_s * a / (a - 1))."""
-
-    median_s: float = Field(0.0, ge=0.0)
-    sigma: float = Field(0.5, ge=0.0)
-    tail_prob: float = Field(0.0, ge=0.0, le=1.0)
-    tail_s: float = Field(0.0, ge=0.0)
-    tail_alpha: float = Field(2.0, gt=1.0)
-
-    def sample(self, rng: random.Random) -> float:
-        """One step's delay in seconds. LatencyEnv sleeps it; the simulator (rollart/sim) adds
-        it to simulated time, so both draw from the same distribution by construction."""
-        d = self.median_s * rng.lognormvariate(0.0, self.sigma) if self.median_s else 0.0
-        if self.tail_prob and rng.random() < self.tail_prob:
-            d += self.tail_s * rng.paretovariate(self.tail_alpha)
-        return d
-
-
-class FaultConfig(_Strict):
-    """Injected env failures (chaos testing): each step raises with `step_error_rate`; the
-    `hang_at_step`-th step a worker process runs for this task hangs for `hang_s` seconds."""
-
-    step_error_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    hang_at_step: int | None = Field(None, gt=0)
-    hang_s: float = Field(3600.0, gt=0.0)
 
 
 class TaskConfig(_Strict):
@@ -208,6 +181,11 @@ class TrainConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     threads: int = Field(2, gt=0)  # torch intra-op threads on the trainer worker while updating
+    # Trust-region guard: after the epochs, the mean per-token KL(policy at update start || new)
+    # on the batch's model tokens (k3 estimate); above max_kl the step is scaled back along the
+    # line from the start (KL ~ quadratic in the step). 0 disables. Adam can take a step of
+    # KL ~1 from a small gradient; with stale batches that collapsed runs (README: staleness).
+    max_kl: float = Field(0.0, ge=0.0)
 
 
 class ClusterConfig(_Strict):

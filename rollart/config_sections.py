@@ -6,6 +6,7 @@ re-exports them. Same rules: unknown keys fail, errors say how to fix them.
 
 from __future__ import annotations
 
+import random
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -166,3 +167,32 @@ class RoutingConfig(_Strict):
     decode_batch: int = Field(8, gt=0)  # rows sharing one weight read per decode step (cost model)
     profile_alpha: float = Field(0.2, gt=0.0, le=1.0)  # EMA weight of task profiles
     emulation: EmulationConfig = EmulationConfig()
+
+
+class LatencyConfig(_Strict):
+    """Injected env step latency that stands for slow tools or sandboxes (a heavy tail):
+    every step sleeps lognormal(median_s, sigma); with probability tail_prob it also stalls
+    for tail_s x Pareto(tail_alpha) (>= tail_s, mean tail_s * a / (a - 1))."""
+
+    median_s: float = Field(0.0, ge=0.0)
+    sigma: float = Field(0.5, ge=0.0)
+    tail_prob: float = Field(0.0, ge=0.0, le=1.0)
+    tail_s: float = Field(0.0, ge=0.0)
+    tail_alpha: float = Field(2.0, gt=1.0)
+
+    def sample(self, rng: random.Random) -> float:
+        """One step's delay in seconds. LatencyEnv sleeps it; the simulator (rollart/sim) adds
+        it to simulated time, so both draw from the same distribution by construction."""
+        d = self.median_s * rng.lognormvariate(0.0, self.sigma) if self.median_s else 0.0
+        if self.tail_prob and rng.random() < self.tail_prob:
+            d += self.tail_s * rng.paretovariate(self.tail_alpha)
+        return d
+
+
+class FaultConfig(_Strict):
+    """Injected env failures (chaos testing): each step raises with `step_error_rate`; the
+    `hang_at_step`-th step a worker process runs for this task hangs for `hang_s` seconds."""
+
+    step_error_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    hang_at_step: int | None = Field(None, gt=0)
+    hang_s: float = Field(3600.0, gt=0.0)

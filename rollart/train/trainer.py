@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from rollart.algo import compute_policy_loss, entropy_from_logits, masked_mean, token_logprobs
+from rollart.algo.losses import kl_k3
 from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.config import AlgoConfig, TrainConfig
 from rollart.types import Trajectory
@@ -120,6 +121,9 @@ class Trainer:
                                        algo.off_policy, algo.is_cap, algo.icepop_low,
                                        algo.icepop_high)
         metrics.update(is_m)
+        # Parameters at update start, for the trust-region guard (one copy of the weights).
+        start = ([p.detach().clone() for p in self.model.parameters()]
+                 if self.cfg.max_kl > 0 else None)
         sums: dict[str, float] = {}
         n_seq = float((batch.loss_mask.sum(1) > 0).sum())
         n_tok = float(batch.loss_mask.sum())
@@ -150,6 +154,8 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
         metrics.update(sums)
+        if start is not None:
+            metrics.update(self._kl_guard(batch, prox, start))
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/sequences"] = float(len(batch))
         metrics["train/tokens"] = n_tok
@@ -157,6 +163,33 @@ class Trainer:
         self.version += 1
         self.step += 1
         return metrics
+
+    def _batch_kl(self, batch: Batch, prox: Tensor) -> float:
+        """Mean per-token k3 estimate of KL(prox || current) on the batch's model tokens."""
+        new = torch.cat([self._logprobs(self.model, mb) for mb in self._micro(batch)])  # [B, T-1]
+        return masked_mean(kl_k3(prox, new), batch.loss_mask).item()
+
+    @torch.no_grad()
+    def _kl_guard(self, batch: Batch, prox: Tensor, start: list[Tensor]) -> dict[str, float]:
+        """Scale the update back towards `start` until the batch KL is <= max_kl.
+
+        theta = start + s * (theta_updated - start). KL grows ~s^2 for small steps, so each try
+        multiplies s by 0.9 * sqrt(max_kl / KL); at most 6 tries. The optimizer's moments keep
+        the full step (they are running averages of gradients, not of steps)."""
+        max_kl = self.cfg.max_kl
+        kl = first = self._batch_kl(batch, prox)
+        scale, full = 1.0, None
+        for _ in range(6):
+            if kl <= max_kl:
+                break
+            if full is None:  # the update's direction, once
+                full = [p.detach() - p0 for p, p0 in zip(self.model.parameters(), start,
+                                                         strict=True)]
+            scale *= 0.9 * (max_kl / kl) ** 0.5
+            for p, p0, d in zip(self.model.parameters(), start, full, strict=True):
+                p.copy_(p0 + scale * d)
+            kl = self._batch_kl(batch, prox)
+        return {"train/kl_update": first, "train/kl_final": kl, "train/kl_guard_scale": scale}
 
     def _vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])

@@ -169,3 +169,35 @@ def test_on_done_fires_as_each_episode_ends(policy):
     assert len({turns for _, turns, _ in seen}) > 1  # episodes of different lengths
     for _, turns, at_call in seen:
         assert at_call == turns  # called right after its last turn, not at the end of the batch
+
+
+def test_kl_guard_scales_the_step_back_along_its_line(policy):
+    """Same start, same batch: with the guard, theta = start + s * (unguarded - start) and the
+    batch KL is at most max_kl; without it, a large lr takes a step far past max_kl."""
+    model, tok = policy
+    base = build_tiny_model(TinyModelConfig(), tok, seed=2)
+    trajs = run_episodes(_specs(4), HFEngine(base, tok, seed=0).generate, ChatFormat(tok),
+                         SamplingParams(max_new_tokens=6))
+    for i, t in enumerate(trajs):
+        t.advantage = 1.0 if i % 2 else -1.0
+
+    def run(max_kl: float):
+        m = build_tiny_model(TinyModelConfig(), tok, seed=2)
+        tr = Trainer(m, AlgoConfig(entropy_coef=0.0),
+                     TrainConfig(lr=0.05, epochs=1, max_kl=max_kl), pad_id=tok.pad_token_id)
+        metrics = tr.update(trajs)
+        return [p.detach().clone() for p in m.parameters()], metrics, tr
+
+    start = [p.detach().clone() for p in base.parameters()]
+    free, m_free, _ = run(0.0)
+    guarded, m_g, tr = run(0.01)
+    assert "train/kl_update" not in m_free  # off by default
+    assert m_g["train/kl_update"] > 0.05 > 0.01 >= m_g["train/kl_final"]
+    s = m_g["train/kl_guard_scale"]
+    assert 0.0 < s < 1.0
+    for p0, pf, pg in zip(start, free, guarded, strict=True):
+        torch.testing.assert_close(pg, p0 + s * (pf - p0), rtol=1e-5, atol=1e-6)
+    # The reported final KL is the batch KL of the weights the trainer now holds.
+    batch = collate([t for t in trajs if t.num_model_tokens], tok.pad_token_id, tr._vocab_size())
+    prox = torch.cat([tr._logprobs(base, mb) for mb in tr._micro(batch)])
+    assert abs(tr._batch_kl(batch, prox) - m_g["train/kl_final"]) < 1e-6
