@@ -15,6 +15,19 @@ Reported per variant: wall time, final reward (mean train reward of the last `--
 iterations) and greedy eval success, and idle fractions: trainer = 1 - update time / wall,
 engine = 1 - time inside `generate` / wall. `speedup` = sync wall / async1 wall.
 
+Each seed (`--seeds 0,1,2`) runs every variant, interleaved; the JSON holds the mean over seeds
+per variant and each seed's run.
+
+Every variant runs with Dr. GRPO advantages (no division by the group std) and the trainer's
+trust-region guard `train.max_kl: 0.05`. Without them, alpha = 1 collapsed in 3 of 4
+100-iteration runs and sync in none of 3: the reward fell within one update (1.0 -> 0.09, or
+0.4 -> -0.1 where no turn names an action) and stayed there, because once every group has
+equal rewards there is no gradient back. The collapsing updates were single Adam steps with a
+small gradient norm (0.19, below the clip) but a huge policy change (approx KL ~1, median
+0.0014); on stale batches they happened, on fresh ones they did not (max 0.27). Std
+normalisation makes it worse: when a group all succeeds, reward differences of ~0.01 (a turn
+without an action) become unit advantages.
+
 Writes results/async_vs_sync.json and prints one summary line.
 """
 
@@ -54,7 +67,10 @@ def workload(iterations: int, root: str) -> list[str]:
     return [f"iterations={iterations}", f"tasks=[{', '.join(tasks)}]",
             "rollout.num_groups=4", "rollout.group_size=8", "reward.backend=local",
             "eval.episodes=32", "eval.every=0", f"storage.root={root}",
-            "storage.save_every=100000", "storage.shards=false", "train.lr=0.002"]
+            "storage.save_every=100000", "storage.shards=false", "train.lr=0.002",
+            # For every variant (module docstring): Dr. GRPO advantages, and the trust-region
+            # guard (an update whose batch KL exceeds 0.05 is scaled back).
+            "algo.normalize_std=false", "train.max_kl=0.05"]
 
 
 def run_variant(name: str, iterations: int, root: str, tail: int,
@@ -93,18 +109,38 @@ def run_variant(name: str, iterations: int, root: str, tail: int,
     }
 
 
+def aggregate(runs: list[dict]) -> dict:
+    """Mean over seeds of every scalar figure; the per-seed runs are kept under `seeds`."""
+    out: dict = {}
+    for key, v in runs[0].items():
+        if isinstance(v, (int, float)) and v is not None:
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            out[key] = sum(vals) / len(vals)
+    out["final_reward_by_seed"] = [r["final_reward"] for r in runs]
+    out["wall_s_by_seed"] = [r["wall_s"] for r in runs]
+    out["seeds"] = runs
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--tail", type=int, default=10, help="iterations averaged for final reward")
     ap.add_argument("--variants", default="sync,async1,async2", help="also: sync_c")
+    ap.add_argument("--seeds", default="0", help="comma list; each seed runs every variant")
     ap.add_argument("--out", default="results/async_vs_sync.json")
     ap.add_argument("--set", action="append", default=[], dest="extra",
                     help="extra override for every variant, e.g. train.lr=0.001")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="rollart-async-")
-    res = {v: run_variant(v, args.iterations, root, args.tail, args.extra)
-           for v in args.variants.split(",")}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    names = args.variants.split(",")
+    runs: dict[str, list[dict]] = {v: [] for v in names}
+    for seed in seeds:  # interleaved, so slow drifts of the machine hit every variant alike
+        for v in names:
+            run = run_variant(v, args.iterations, root, args.tail, args.extra + [f"seed={seed}"])
+            runs[v].append({"seed": seed, **run})
+    res = {v: aggregate(rs) for v, rs in runs.items()}
     sync, fast = res.get("sync", {}), res.get("async1", {})
     if not sync or not fast:  # a partial comparison (--variants): no headline figures
         Path(args.out).write_text(json.dumps({"variants": res}, indent=2))
@@ -112,22 +148,28 @@ def main() -> None:
         return
     out = {
         "iterations": args.iterations,
-        "workload": workload(args.iterations, "<tmp>"),
+        "seeds": seeds,
+        "workload": workload(args.iterations, "<tmp>") + list(args.extra),
         "variants": res,
+        # Means over seeds; speedup = mean sync wall / mean async1 wall (same iterations).
         "sync_wall_s": sync["wall_s"],
-        "async_wall_s": fast.get("wall_s"),
-        "speedup": sync["wall_s"] / fast["wall_s"] if fast else None,
+        "async_wall_s": fast["wall_s"],
+        "speedup": sync["wall_s"] / fast["wall_s"],
         "speedup_by_variant": {k: sync["wall_s"] / v["wall_s"] for k, v in res.items()},
         "sync_final_reward": sync["final_reward"],
-        "async_final_reward": fast.get("final_reward"),
-        "final_reward_gap": abs(sync["final_reward"] - fast["final_reward"]) if fast else None,
+        "async_final_reward": fast["final_reward"],
+        "final_reward_gap": abs(sync["final_reward"] - fast["final_reward"]),
+        "final_reward_gap_by_variant": {k: sync["final_reward"] - v["final_reward"]
+                                        for k, v in res.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
+    by_variant = {k: (round(out["speedup_by_variant"][k], 2), round(v["final_reward"], 3))
+                  for k, v in res.items()}
     print(f"async_vs_sync: speedup={out['speedup']:.2f} (sync {sync['wall_s']:.0f} s, "
-          f"async1 {fast['wall_s']:.0f} s, same {args.iterations} iterations) "
-          f"final_reward sync={sync['final_reward']:.3f} async1={fast['final_reward']:.3f} "
-          f"by_variant={ {k: round(v, 2) for k, v in out['speedup_by_variant'].items()} }")
+          f"async1 {fast['wall_s']:.0f} s, same {args.iterations} iterations, "
+          f"mean of seeds {seeds}) final_reward sync={sync['final_reward']:.3f} "
+          f"async1={fast['final_reward']:.3f} (speedup, final_reward) by variant: {by_variant}")
 
 
 if __name__ == "__main__":
