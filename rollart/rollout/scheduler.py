@@ -200,6 +200,7 @@ class RolloutScheduler:
                 self.counters["retried"] += 1
                 return [self._launch(g)], []
             return [], []
+        self.counters["groups_dropped_failures"] += 1  # its retry budget is spent
         return [], self._drop(g, "group_dropped")
 
     # ---- versions and batches -----------------------------------------------------------

@@ -375,8 +375,8 @@ class RolloutService:
         m = rollout_metrics(trajs)
         c = self.totals.counters + self.sched.counters
         for key in ("failed", "timeouts", "retried", "cancelled_redundant", "cancelled_stale",
-                    "cancelled_group_dropped", "dropped_stale_groups", "hosts_lost",
-                    "late_results"):
+                    "cancelled_group_dropped", "groups_dropped_failures", "dropped_stale_groups",
+                    "hosts_lost", "late_results"):
             m[f"rollout/{key}"] = float(c[key])
         stale = c["cancelled_stale"] + c["dropped_stale_episodes"]
         m["rollout/dropped_stale_episodes"] = float(stale)

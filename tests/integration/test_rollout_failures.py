@@ -38,7 +38,9 @@ def test_injected_step_errors_and_a_hang_cost_only_their_episodes(prefect_api, t
     assert injected["hangs"] == 1
     assert counters.get("failed", 0) == injected["errors"], out["rollout"]["recent_errors"]
     assert counters.get("timeouts", 0) == 1, counters
-    assert counters["retried"] == counters["failed"] + counters["timeouts"], counters
+    # Every failure is re-issued, except one that spends a group's retry budget (rare here).
+    assert (counters["retried"] + counters.get("groups_dropped_failures", 0)
+            == counters["failed"] + counters["timeouts"]), counters
     assert rows[-1]["rollout/failed"] == counters["failed"]
     assert rows[-1]["rollout/timeouts"] == 1
     # The hang cost its own episode's timeout, not the run: it never waited out hang_s per call.

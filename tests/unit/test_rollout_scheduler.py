@@ -89,6 +89,9 @@ def test_failure_reissues_same_group_and_seed_then_gives_up():
     _, cancels = s.on_failed("g0/m3")  # failure 3: budget exceeded, group dropped
     assert s.counters["timeouts"] == 1
     assert "g0" not in s.groups and [c.reason for c in cancels] == ["group_dropped"]
+    # 3 failures = 2 re-issued + the one that spent the budget
+    assert (s.counters["failed"], s.counters["retried"], s.counters["groups_dropped_failures"]) \
+        == (2, 2, 1)
     assert [x.group_id for x in s.fill()] == ["g1", "g1"]  # capacity freed
 
 
