@@ -26,7 +26,9 @@ equal rewards there is no gradient back. The collapsing updates were single Adam
 small gradient norm (0.19, below the clip) but a huge policy change (approx KL ~1, median
 0.0014); on stale batches they happened, on fresh ones they did not (max 0.27). Std
 normalisation makes it worse: when a group all succeeds, reward differences of ~0.01 (a turn
-without an action) become unit advantages.
+without an action) become unit advantages. To see it again: `--variants async1,sync
+--set algo.normalize_std=true --set train.max_kl=0` (collapses are random: async runs are not
+deterministic; look at train/approx_kl and reward/mean in each run's metrics.jsonl).
 
 Writes results/async_vs_sync.json and prints one summary line.
 """
@@ -113,7 +115,7 @@ def aggregate(runs: list[dict]) -> dict:
     """Mean over seeds of every scalar figure; the per-seed runs are kept under `seeds`."""
     out: dict = {}
     for key, v in runs[0].items():
-        if isinstance(v, (int, float)) and v is not None:
+        if isinstance(v, (int, float)):
             vals = [r[key] for r in runs if r.get(key) is not None]
             out[key] = sum(vals) / len(vals)
     out["final_reward_by_seed"] = [r["final_reward"] for r in runs]

@@ -19,8 +19,13 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from rollart.algo import compute_policy_loss, entropy_from_logits, masked_mean, token_logprobs
-from rollart.algo.losses import kl_k3
+from rollart.algo import (
+    compute_policy_loss,
+    entropy_from_logits,
+    kl_k3,
+    masked_mean,
+    token_logprobs,
+)
 from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.config import AlgoConfig, TrainConfig
 from rollart.types import Trajectory
