@@ -7,7 +7,8 @@ log-probs, and stamps every completion with the weight version that produced it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -50,3 +51,29 @@ def engine_stats(counters: Mapping[str, float], weight_version: int) -> dict[str
     s["tokens_per_s"] = s["tokens_generated"] / s["generate_s"] if s["generate_s"] else 0.0
     s["weight_version"] = float(weight_version)
     return s
+
+
+class AbortSet:
+    """Request ids marked for abort, shared between `abort` (any thread) and the generate loop.
+
+    `take` consumes a mark, so an id re-issued later under the same name is not aborted again.
+    """
+
+    def __init__(self) -> None:
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._ids.update(request_ids)
+
+    def take(self, request_id: str) -> bool:
+        """True (and forget the mark) if `request_id` was marked for abort."""
+        with self._lock:
+            if request_id in self._ids:
+                self._ids.discard(request_id)
+                return True
+            return False
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from rollart.engines.base import engine_stats
+from rollart.engines.base import AbortSet, engine_stats
 from rollart.routing.catalog import Slowdown
 from rollart.types import Completion, GenerationRequest
 
@@ -124,8 +124,7 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.is_sleeping = False
         self._lock = threading.Lock()  # one generate / update_weights at a time
-        self._aborted: set[str] = set()
-        self._abort_lock = threading.Lock()
+        self._aborted = AbortSet()
         self.emulate = emulate  # emulated hardware slowdowns (see module docstring); None: off
         self._stats = {
             "requests": 0.0,
@@ -165,8 +164,7 @@ class HFEngine:
         """Generation is synchronous here, so abort is cooperative: ids are recorded (thread-safe)
         and a request that has not started yet is skipped, one that is running stops at its next
         decode step; either way its completion has finish_reason "abort"."""
-        with self._abort_lock:
-            self._aborted.update(request_ids)
+        self._aborted.add(request_ids)
 
     def sleep(self) -> None:
         """Tracked no-op: a CPU HF model has nothing to offload."""
@@ -180,13 +178,6 @@ class HFEngine:
         return engine_stats(self._stats, self.weight_version)
 
     # ---------------------------------------------------------------- internals
-
-    def _take_aborted(self, request_id: str) -> bool:
-        with self._abort_lock:
-            if request_id in self._aborted:
-                self._aborted.discard(request_id)
-                return True
-            return False
 
     def _forward(self, input_ids: Tensor, mask: Tensor, pos: Tensor, cache: DynamicCache,
                  phase: str = "decode") -> Tensor:
@@ -236,7 +227,7 @@ class HFEngine:
         for b, r in enumerate(reqs):
             if not r.prompt_ids:
                 raise ValueError(f"request {r.request_id!r} has an empty prompt")
-            if self._take_aborted(r.request_id):
+            if self._aborted.take(r.request_id):
                 finish[b] = "abort"
             elif r.params.max_new_tokens <= 0:
                 finish[b] = "length"
@@ -269,7 +260,7 @@ class HFEngine:
                         finish[b] = "stop"
                     elif len(gen[b]) >= r.params.max_new_tokens:
                         finish[b] = "length"
-                    elif self._take_aborted(r.request_id):
+                    elif self._aborted.take(r.request_id):
                         finish[b] = "abort"
                     else:
                         keep.append(j)

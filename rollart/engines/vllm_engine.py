@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from rollart.engines.base import engine_stats
+from rollart.engines.base import AbortSet, engine_stats
 from rollart.types import Completion, GenerationRequest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -117,8 +117,7 @@ class VLLMEngine:
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, owned_dir)
         self._lock = threading.Lock()
-        self._aborted: set[str] = set()
-        self._abort_lock = threading.Lock()
+        self._aborted = AbortSet()
         self._calls = 0
         self._stats = {k: 0.0 for k in ("requests", "tokens_generated", "prompt_tokens",
                                         "generate_s", "batches", "aborted", "sleeps",
@@ -149,7 +148,7 @@ class VLLMEngine:
             for i, r in enumerate(requests):
                 if not r.prompt_ids:
                     raise ValueError(f"request {r.request_id!r} has an empty prompt")
-                if self._take_aborted(r.request_id):
+                if self._aborted.take(r.request_id):
                     finish[i] = "abort"
                     continue
                 if r.params.max_new_tokens <= 0 or len(r.prompt_ids) >= self.max_model_len:
@@ -197,8 +196,7 @@ class VLLMEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Cooperative, as in HFEngine: a request not started yet is skipped, a running one is
         aborted in vLLM at the next engine step; its completion has finish_reason "abort"."""
-        with self._abort_lock:
-            self._aborted.update(request_ids)
+        self._aborted.add(request_ids)
 
     def sleep(self) -> None:
         """vLLM sleep level 1 where supported (weights offloaded, KV cache dropped)."""
@@ -229,18 +227,11 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- internals
 
-    def _take_aborted(self, request_id: str) -> bool:
-        with self._abort_lock:
-            if request_id in self._aborted:
-                self._aborted.discard(request_id)
-                return True
-            return False
-
     def _abort_running(self, live: dict[str, int], requests: list[GenerationRequest],
                        finish: dict[int, str]) -> None:
         if not self._aborted:
             return
-        stop = [rid for rid, i in live.items() if self._take_aborted(requests[i].request_id)]
+        stop = [rid for rid, i in live.items() if self._aborted.take(requests[i].request_id)]
         if stop:
             self._engine.abort_request(stop)
             for rid in stop:
