@@ -56,6 +56,7 @@ VARIANTS = {
     "async1_lockstep": ["rollout.max_staleness=1", "rollout.batching=lockstep"],
 }
 
+LEARNED = 0.8  # reward at which the lake counts as learned (1.0 = always reaches the goal)
 SLOW = "{median_s: 0.02, sigma: 0.5, tail_prob: 0.05, tail_s: 0.4, tail_alpha: 1.5}"
 
 
@@ -69,7 +70,7 @@ def workload(iterations: int, root: str) -> list[str]:
     return [f"iterations={iterations}", f"tasks=[{', '.join(tasks)}]",
             "rollout.num_groups=4", "rollout.group_size=8", "reward.backend=local",
             "eval.episodes=32", "eval.every=0", f"storage.root={root}",
-            "storage.save_every=100000", "storage.shards=false", "train.lr=0.002",
+            "storage.save_every=100000", "storage.shards=false", "train.lr=0.001",
             # For every variant (module docstring): Dr. GRPO advantages, and the trust-region
             # guard (an update whose batch KL exceeds 0.05 is scaled back).
             "algo.normalize_std=false", "train.max_kl=0.05"]
@@ -108,25 +109,38 @@ def run_variant(name: str, iterations: int, root: str, tail: int,
         "sync_s_median": statistics.median(m["perf/sync_s"] for m in curve),
         "sync_s_max": max(m["perf/sync_s"] for m in curve),
         "reward_curve": [round(m["reward/mean"], 4) for m in curve],
+        # Learning speed, per update and per second: when the trailing 10-iteration mean
+        # reward first reaches LEARNED (None: never).
+        **learned_at(curve),
     }
+
+
+def learned_at(curve: list[dict], window: int = 10) -> dict:
+    rewards = [m["reward/mean"] for m in curve]
+    for i in range(window - 1, len(rewards)):
+        if sum(rewards[i - window + 1:i + 1]) / window >= LEARNED:
+            return {"learned_at_iteration": i, "learned_at_s": curve[i]["perf/elapsed_s"]}
+    return {"learned_at_iteration": None, "learned_at_s": None}
 
 
 def aggregate(runs: list[dict]) -> dict:
     """Mean over seeds of every scalar figure; the per-seed runs are kept under `seeds`."""
     out: dict = {}
-    for key, v in runs[0].items():
-        if isinstance(v, (int, float)):
-            vals = [r[key] for r in runs if r.get(key) is not None]
+    for key in runs[0]:
+        vals = [r.get(key) for r in runs]
+        if all(isinstance(v, (int, float)) for v in vals):
             out[key] = sum(vals) / len(vals)
-    out["final_reward_by_seed"] = [r["final_reward"] for r in runs]
-    out["wall_s_by_seed"] = [r["wall_s"] for r in runs]
+        elif all(v is None or isinstance(v, (int, float)) for v in vals):
+            out[key] = None  # e.g. learned_at_*: some seed never got there
+    for key in ("final_reward", "wall_s", "learned_at_iteration", "learned_at_s"):
+        out[f"{key}_by_seed"] = [r.get(key) for r in runs]
     out["seeds"] = runs
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iterations", type=int, default=40)
+    ap.add_argument("--iterations", type=int, default=150)
     ap.add_argument("--tail", type=int, default=10, help="iterations averaged for final reward")
     ap.add_argument("--variants", default="sync,async1,async2", help="also: sync_c")
     ap.add_argument("--seeds", default="0", help="comma list; each seed runs every variant")
