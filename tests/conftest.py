@@ -5,6 +5,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+# A flow must reach the server a test started, never a hidden ephemeral one Prefect would
+# otherwise start by itself when it finds no PREFECT_API_URL.
+os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
 
 
 import pytest  # noqa: E402

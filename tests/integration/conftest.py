@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -14,6 +15,7 @@ def prefect_api(tmp_path_factory):
     server = start_server(state_dir=state, port=free_port())
     old = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = server.api_url
+    _refresh_prefect_settings()
     yield server.api_url
     from prefect.logging.handlers import APILogHandler
 
@@ -22,4 +24,14 @@ def prefect_api(tmp_path_factory):
         os.environ.pop("PREFECT_API_URL", None)
     else:
         os.environ["PREFECT_API_URL"] = old
+    _refresh_prefect_settings()
     server.stop()
+
+
+def _refresh_prefect_settings() -> None:
+    """Prefect reads its settings from the environment once, when first imported. An earlier
+    test (the e2e stack's client) may have imported it before PREFECT_API_URL was set."""
+    if "prefect.context" in sys.modules:
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
