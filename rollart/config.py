@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from rollart.cluster_classes import default_stages, default_workers
 from rollart.config_base import ConfigError, _Strict
 from rollart.config_sections import (
     EmulationConfig,
@@ -193,14 +194,9 @@ class ClusterConfig(_Strict):
 
     address: str | None = None
     # Embedded cluster: worker count per hardware class; each worker gets resource {class: 1}.
-    workers: dict[str, int] = {"H800": 1, "H20": 1, "CPU": 1}
+    workers: dict[str, int] = Field(default_factory=default_workers)
     # Stage -> hardware class (= Dask resource name).
-    stages: dict[str, str] = {
-        "trainer": "H800",
-        "engine": "H20",
-        "env": "CPU",
-        "reward": "CPU",
-    }
+    stages: dict[str, str] = Field(default_factory=default_stages)
     threads_per_worker: int = Field(1, gt=0)
     dashboard: bool = True
     # Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy
