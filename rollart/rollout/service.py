@@ -34,6 +34,7 @@ from rollart.metrics import rollout_metrics
 from rollart.models.chat import ChatFormat
 from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode, call
 from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
+from rollart.rollout.ids import group_id
 from rollart.rollout.plan import group_seed
 from rollart.rollout.scheduler import (
     Cancel,
@@ -65,7 +66,7 @@ def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
     def name(task: str, n: int) -> tuple[str, int]:
         cfg_task, quota = tasks[task]
         iteration, g = divmod(n, quota)
-        return f"{task}/i{iteration}/g{g}", group_seed(cfg, cfg_task, iteration, g)
+        return group_id(task, iteration, g), group_seed(cfg, cfg_task, iteration, g)
 
     return name
 
