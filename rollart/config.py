@@ -162,6 +162,9 @@ class AlgoConfig(_Strict):
     loss: str = "ppo_clip"  # registry key in rollart.algo
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0)
+    # Dual clip (Ye et al. 2020): for A < 0 the per-token loss is capped at -A * dual_clip
+    # (3.0 is usual); None disables. The loss takes the fields named like its parameters.
+    dual_clip: float | None = Field(None, gt=1.0)
     loss_agg: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
     kl_coef: float = Field(0.0, ge=0.0)  # k3 KL to the initial policy; 0 disables the reference
     entropy_coef: float = Field(0.05, ge=0.0)
