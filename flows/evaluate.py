@@ -17,7 +17,6 @@ from typing import Any
 from distributed import Client
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect_dask import DaskTaskRunner
 
 from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
@@ -28,7 +27,7 @@ from rollart.run import RunSpec
 from rollart.services import EngineService
 from rollart.storage.resume import stored_run_config
 from rollart.storage.store import eval_rel
-from tasks.stages import PrefectStages
+from tasks.stages import PrefectStages, task_runner
 
 
 @flow(name="evaluate")
@@ -69,8 +68,7 @@ def evaluate(
             address = cluster.scheduler_address
         logger.info("Evaluating %s checkpoint %d: %d greedy episodes on held-out seeds (Dask %s)",
                     run_id, step, episodes, address)
-        runner = DaskTaskRunner(address=address)
-        metrics = evaluate_on_cluster.with_options(task_runner=runner)(
+        metrics = evaluate_on_cluster.with_options(task_runner=task_runner(cfg, address))(
             run, step, episodes, address)
     result = {"run_id": run_id, "checkpoint": step, "episodes": episodes, "metrics": metrics,
               "store": store.url}

@@ -19,7 +19,6 @@ from typing import Any
 from distributed import Client
 from prefect import flow, get_run_logger
 from prefect.states import Failed
-from prefect_dask import DaskTaskRunner
 
 from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
@@ -34,7 +33,7 @@ from rollart.metrics import summary_row
 from rollart.run import RunSpec
 from rollart.storage.resume import ResumeError, describe, start_run
 from rollart.storage.s3 import StorageError
-from tasks.stages import PrefectStages
+from tasks.stages import PrefectStages, task_runner
 
 
 def new_run_id(name: str) -> str:
@@ -90,8 +89,7 @@ def train(
         cfg = with_embedded_endpoint(cfg, stack)
         if cfg.reward.endpoint_url and cfg.reward.embedded_endpoint:
             progress.note(f"Rewards:         local Lambda endpoint {cfg.reward.endpoint_url}")
-        runner = DaskTaskRunner(address=address)
-        return iterations.with_options(task_runner=runner)(
+        return iterations.with_options(task_runner=task_runner(cfg, address))(
             RunSpec(cfg, run_id), address, point.step if point else None
         )
 

@@ -202,6 +202,11 @@ class ClusterConfig(_Strict):
     stages: dict[str, str] = Field(default_factory=default_stages)
     threads_per_worker: int = Field(1, gt=0)
     dashboard: bool = True
+    # How the flow runs its stage tasks (both keep every stage on a worker of its class):
+    # "threads": Prefect tasks on a thread pool in the flow process, each submitting its stage
+    #   as a raw Dask task annotated with the class (~ms of Prefect overhead per task);
+    # "dask": Prefect's DaskTaskRunner ships each task to the worker (~0.2-0.3 s per task).
+    task_runner: Literal["threads", "dask"] = "threads"
     # Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy
     # pools; see `routing`). None: `engine.replicas` replicas on `stages.engine` (one pool).
     engine_pools: dict[str, int] | None = None

@@ -27,6 +27,7 @@ from rollart import stages
 from rollart.config import RunConfig
 from rollart.handles import call
 from rollart.run import RunSpec
+from rollart.spans import SPAN, busy_seconds
 
 # The hardware-class role (a key of `cluster.stages`) each stage runs on.
 STAGE_ROLE: dict[str, str] = {
@@ -104,6 +105,21 @@ def plan_step(cfg: RunConfig, iteration: int, eval_every: int | None = None) -> 
     )
 
 
+def control_plane_metrics(infos: dict[str, dict[str, Any]], start: float,
+                          end: float) -> dict[str, float]:
+    """Split the iteration [start, end] into stage work (each stage's own span, measured where
+    it ran; concurrent stages count once) and orchestration (everything else: task submission
+    and state tracking, scheduling, actor round trips, serialisation)."""
+    spans = {k: i[SPAN] for k, i in infos.items() if i.get(SPAN)}
+    m = {f"perf/stage/{k}_s": b - a for k, (a, b) in spans.items()}
+    busy = busy_seconds(spans.values(), start, end)
+    wall = max(end - start, 1e-9)
+    m["perf/stage_busy_s"] = busy
+    m["perf/orchestration_s"] = wall - busy
+    m["perf/orchestration_share"] = (wall - busy) / wall
+    return m
+
+
 @dataclass
 class Services:
     trainer: Any
@@ -169,7 +185,7 @@ class IterationDriver:
         assert self.svc is not None, "start() first"
         sv, run, submit, placed = self.svc, self.run, self.runner.submit, self.placed
         plan = plan_step(self.cfg, it, self.eval_every)
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         collected = submit("collect", sv.rollout, it)
         scored = submit("score", run, it, collected)
         updated = submit("update", sv.trainer, scored)
@@ -183,19 +199,21 @@ class IterationDriver:
                     after=[synced]) if plan.evaluate else None
 
         m: dict[str, Any] = {"iteration": float(it), "version": float(plan.step)}
-        m.update(placed("collect", collected.result()[1])["metrics"])
-        m.update(placed("score", scored.result()[1])["metrics"])
-        m.update(placed("update", updated.result())["metrics"])
-        m.update(placed("sync_weights", synced.result())["metrics"])
+        infos = {"collect": collected.result()[1], "score": scored.result()[1],
+                 "update": updated.result(), "sync_weights": synced.result()}
+        for stage, info in infos.items():
+            m.update(placed(stage, info)["metrics"])
         saved = None
         if ckpt is not None:
-            saved = placed("checkpoint", ckpt.result())
+            saved = infos["checkpoint"] = placed("checkpoint", ckpt.result())
             call(sv.rollout, "set_version", plan.step)  # engines serve it: episodes may start
             m["perf/checkpoint_s"] = saved["save_s"]  # blocking part; the upload is below
             for up in saved.get("uploaded", []):  # background uploads finished since
                 m["perf/checkpoint_upload_s"] = up["result"]["upload_s"]
         if ev is not None:
-            m.update(placed("evaluate", ev.result())["metrics"])
+            infos["evaluate"] = placed("evaluate", ev.result())
+            m.update(infos["evaluate"]["metrics"])
+        m.update(control_plane_metrics(infos, wall0, time.time()))
         m["perf/iteration_s"] = time.perf_counter() - t0
         m["perf/elapsed_s"] = time.perf_counter() - self.t_start
         self.store.append_jsonl("metrics.jsonl", m)

@@ -23,6 +23,7 @@ from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_epi
 from rollart.rollout.plan import plan_eval
 from rollart.rollout.setup import sampling_params
 from rollart.run import RunSpec
+from rollart.spans import timed_stage
 from rollart.storage.background import shard_writer
 from rollart.types import SamplingParams, Trajectory
 
@@ -32,6 +33,7 @@ def trajectories_of(x: list[Trajectory] | tuple[list[Trajectory], dict]) -> list
     return x[0] if isinstance(x, tuple) else x
 
 
+@timed_stage
 def prepare(run: RunSpec) -> dict[str, Any]:
     """The run's config and tokenizer into the store (once; env code, so on a CPU worker)."""
     store = run.store()
@@ -60,6 +62,7 @@ def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
         return [t for part in pool.map(on, range(n)) for t in part]
 
 
+@timed_stage
 def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, Any]]:
     """The complete, scored groups for update `iteration` from the rollout service. Episodes
     ran (and were rewarded as each ended) while earlier updates trained, as far as
@@ -71,6 +74,7 @@ def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, A
     return trajs, {**info, **worker_identity()}
 
 
+@timed_stage
 def score(run: RunSpec, iteration: int,
           collected: Any) -> tuple[list[Trajectory], dict[str, Any]]:
     """Rewards, then group-normalised advantages; failed episodes are dropped here."""
@@ -101,6 +105,7 @@ def score(run: RunSpec, iteration: int,
     return ok, {"metrics": m, "dropped": dropped, **worker_identity()}
 
 
+@timed_stage
 def update(trainer: Any, scored: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     dropped = scored[1].get("dropped") if isinstance(scored, tuple) else None
@@ -109,6 +114,7 @@ def update(trainer: Any, scored: Any) -> dict[str, Any]:
     return {**out, "caller": worker_identity()}
 
 
+@timed_stage
 def sync_weights(trainer: Any, engines: list[Any], rollout: Any = None,
                  step: int | None = None) -> dict[str, Any]:
     """Trainer -> engines, worker to worker through this task (runs on an engine worker), or
@@ -148,6 +154,7 @@ def _push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
     }
 
 
+@timed_stage
 def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
                engines: list[Any] | None = None) -> dict[str, Any]:
     """Snapshot trainer state, sample ledger and the engines' sampling RNG (exact resume);
@@ -157,6 +164,7 @@ def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
             "caller": worker_identity()}
 
 
+@timed_stage
 def load_checkpoint_weights(engine: Any, step: int) -> dict[str, Any]:
     """Evaluation of a finished run: the engine serves checkpoint `step` (verified)."""
     return call(engine, "load_checkpoint", step)
@@ -170,6 +178,7 @@ def restore(trainer: Any, engines: list[Any], step: int) -> dict[str, Any]:
     return info
 
 
+@timed_stage
 def evaluate(run: RunSpec, engines: list[Any], episodes: int) -> dict[str, Any]:
     """Greedy episodes on held-out seeds."""
     t0 = time.perf_counter()

@@ -166,7 +166,9 @@ class Trainer:
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/sequences"] = float(len(batch))
         metrics["train/tokens"] = n_tok
-        metrics["train/update_s"] = time.perf_counter() - t0
+        metrics["train/update_s"] = dt = time.perf_counter() - t0
+        # every real (non-pad) token goes through the forward passes, model tokens or not
+        metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) / max(dt, 1e-9)
         self.version += 1
         self.step += 1
         return metrics
