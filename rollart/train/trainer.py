@@ -74,6 +74,12 @@ def collate(trajs: list[Trajectory], pad_id: int, vocab_size: int | None = None)
     return Batch(ids, attn, ids[:, 1:], mask[:, 1:], mu[:, 1:], adv, allowed)
 
 
+# Architectures whose logits are exactly `get_output_embeddings()(base_model(...) hidden)` (no
+# soft-capping or scaling), so the LM head can run on the model-token positions alone.
+_SPLIT_HEAD_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                "MistralForCausalLM"})
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, train: TrainConfig,
                  temperature: float = 1.0, pad_id: int = 0) -> None:
@@ -93,62 +99,83 @@ class Trainer:
         self.step = 0  # training iterations completed (== version unless updates were skipped)
 
     # ---- forward helpers ---------------------------------------------------------------
-    def _logits(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        logits = out.logits[:, :-1]  # [B, T-1, V]
+    def _selected_logits(self, model: torch.nn.Module, batch: Batch) -> Tensor:
+        """Logits [N, V] at the N model-token positions (`loss_mask != 0`, row-major order).
+
+        Only those positions need logits: prompts and env observations are most of a
+        conversation (~95 % of the tokens in the default task), so the LM head, log-softmax
+        and entropy run on N rows instead of B * (T - 1). Sequences are right-padded and the
+        attention is causal, so no real position ever attends to padding: the model runs
+        without an attention mask (the causal SDPA kernel, no [B, 1, T, T] mask tensor)."""
+        sel = batch.loss_mask > 0  # [B, T-1]
+        if type(model).__name__ in _SPLIT_HEAD_MODELS:
+            hidden = model.base_model(input_ids=batch.input_ids).last_hidden_state  # [B, T, H]
+            logits = model.get_output_embeddings()(hidden[:, :-1][sel])  # [N, V]
+        else:  # unknown architectures may post-process logits: use the model's own output
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            logits = out.logits[:, :-1][sel]  # [N, V]
         if batch.allowed is not None:  # same restriction the engine sampled under
-            logits = logits.masked_fill(~batch.allowed[:, None, :], float("-inf"))
+            rows = sel.nonzero()[:, 0]  # [N] sequence of each selected position
+            logits = logits.masked_fill(~batch.allowed[rows], float("-inf"))
         return logits
+
+    def _token_logprobs(self, model: torch.nn.Module, batch: Batch,
+                        entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """(log-probs [B, T-1], entropy [B, T-1] or None) of the targets, 0 off the model
+        tokens (every consumer masks with `loss_mask`)."""
+        sel = batch.loss_mask > 0
+        logits = self._selected_logits(model, batch)  # [N, V]
+        lp = token_logprobs(logits[None], batch.targets[sel][None], self.temperature)[0]  # [N]
+        zeros = torch.zeros(sel.shape, dtype=lp.dtype)
+        ent = zeros.masked_scatter(sel, entropy_from_logits(logits)) if entropy else None
+        return zeros.masked_scatter(sel, lp), ent
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: Batch) -> Tensor:
-        return token_logprobs(self._logits(model, batch), batch.targets, self.temperature)
+        return self._token_logprobs(model, batch)[0]
 
     # ---- update ------------------------------------------------------------------------
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One policy update on scored trajectories (advantage set). Returns `train/*` metrics."""
+        """One policy update on scored trajectories (advantage set). Returns `train/*` metrics.
+
+        Decoupled PPO: the ratio is taken against the policy at the start of the update (the
+        proximal policy). Its log-probs come from the first epoch's own forward passes: the
+        optimizer steps once per epoch, after every micro-batch, so each first-epoch forward
+        runs at the start parameters (no extra forward pass)."""
         t0 = time.perf_counter()
         trajs = [x for x in trajs if x.num_model_tokens > 0]
         if not trajs:
             return {"train/skipped": 1.0}
         batch = collate(trajs, self.pad_id, self._vocab_size())
         algo = self.algo
-        prox = torch.cat([self._logprobs(self.model, mb) for mb in self._micro(batch)])
+        micro = self._micro(batch)
         ref = None
         if self.ref_model is not None:
-            ref = torch.cat([self._logprobs(self.ref_model, mb) for mb in self._micro(batch)])
-        metrics: dict[str, float] = {
-            # |trainer - engine| log-prob gap: ~0 on-policy with synced weights, grows with
-            # staleness.
-            "train/logprob_mismatch": masked_mean(
-                (prox - batch.behaviour_logprobs).abs(), batch.loss_mask
-            ).item(),
-            **staleness_metrics([x.token_versions for x in trajs], self.version),
-        }
-        is_w, is_m = behaviour_weights(prox, batch.behaviour_logprobs, batch.loss_mask,
-                                       algo.off_policy, algo.is_cap, algo.icepop_low,
-                                       algo.icepop_high)
-        metrics.update(is_m)
+            ref = torch.cat([self._logprobs(self.ref_model, mb) for mb in micro])
         # Parameters at update start, for the trust-region guard (one copy of the weights).
         start = ([p.detach().clone() for p in self.model.parameters()]
                  if self.cfg.max_kl > 0 else None)
         sums: dict[str, float] = {}
         n_seq = float((batch.loss_mask.sum(1) > 0).sum())
         n_tok = float(batch.loss_mask.sum())
-        for _ in range(self.cfg.epochs):
+        prox_parts: list[Tensor] = []  # [b_i, T-1] per micro-batch, from the first epoch
+        for epoch in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for lo in range(0, len(batch), self.cfg.micro_batch_size):
-                sl = slice(lo, lo + self.cfg.micro_batch_size)
-                mb = batch.select(sl)
-                logits = self._logits(self.model, mb)
-                logp = token_logprobs(logits, mb.targets, self.temperature)
-                ent = entropy_from_logits(logits) if algo.entropy_coef > 0 else None
+            for i, mb in enumerate(micro):
+                sl = slice(i * self.cfg.micro_batch_size, (i + 1) * self.cfg.micro_batch_size)
+                logp, ent = self._token_logprobs(self.model, mb, entropy=algo.entropy_coef > 0)
+                if epoch == 0:
+                    prox_parts.append(logp.detach())
+                prox = prox_parts[i]
+                # Per micro-batch: the weights are row-local (per token or per sequence).
+                is_w, _ = behaviour_weights(prox, mb.behaviour_logprobs, mb.loss_mask,
+                                            algo.off_policy, algo.is_cap, algo.icepop_low,
+                                            algo.icepop_high)
                 loss, m = compute_policy_loss(
-                    logp, prox[sl], mb.advantages, mb.loss_mask,
+                    logp, prox, mb.advantages, mb.loss_mask,
                     loss=algo.loss, loss_agg=algo.loss_agg, loss_params=self.loss_params,
                     ref_logprobs=ref[sl] if ref is not None else None, kl_coef=algo.kl_coef,
-                    entropy=ent, entropy_coef=algo.entropy_coef,
-                    is_weights=is_w[sl] if is_w is not None else None,
+                    entropy=ent, entropy_coef=algo.entropy_coef, is_weights=is_w,
                 )
                 # Weight micro-batches so the sum equals the full-batch aggregate.
                 if algo.loss_agg == "token_mean":
@@ -160,9 +187,21 @@ class Trainer:
                     sums[k] = sums.get(k, 0.0) + v * w / self.cfg.epochs
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
+        prox_all = torch.cat(prox_parts)  # [B, T-1]
+        metrics: dict[str, float] = {
+            # |trainer - engine| log-prob gap: ~0 on-policy with synced weights, grows with
+            # staleness.
+            "train/logprob_mismatch": masked_mean(
+                (prox_all - batch.behaviour_logprobs).abs(), batch.loss_mask
+            ).item(),
+            **staleness_metrics([x.token_versions for x in trajs], self.version),
+        }
+        metrics.update(behaviour_weights(prox_all, batch.behaviour_logprobs, batch.loss_mask,
+                                         algo.off_policy, algo.is_cap, algo.icepop_low,
+                                         algo.icepop_high)[1])
         metrics.update(sums)
         if start is not None:
-            metrics.update(self._kl_guard(batch, prox, start))
+            metrics.update(self._kl_guard(batch, prox_all, start))
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/sequences"] = float(len(batch))
         metrics["train/tokens"] = n_tok

@@ -201,3 +201,27 @@ def test_kl_guard_scales_the_step_back_along_its_line(policy):
     batch = collate([t for t in trajs if t.num_model_tokens], tok.pad_token_id, tr._vocab_size())
     prox = torch.cat([tr._logprobs(base, mb) for mb in tr._micro(batch)])
     assert abs(tr._batch_kl(batch, prox) - m_g["train/kl_final"]) < 1e-6
+
+
+def test_split_head_logprobs_equal_the_full_forward(policy):
+    """The trainer's forward (no attention mask, LM head on model tokens only) gives the same
+    log-probs and entropies as the model's full output with the padding mask, on every model
+    token; two float32 evaluations of the same sums, so equal to a few ulps of the logits."""
+    from rollart.algo import entropy_from_logits, token_logprobs
+
+    model, tok = policy
+    engine = HFEngine(model, tok, seed=0)
+    trajs = run_episodes(_specs(4), engine.generate, ChatFormat(tok),
+                         SamplingParams(max_new_tokens=6))
+    assert len({len(t.token_ids) for t in trajs}) > 1  # right padding is exercised
+    trainer = Trainer(model, AlgoConfig(), TrainConfig(), pad_id=tok.pad_token_id)
+    batch = collate(trajs, tok.pad_token_id, trainer._vocab_size())
+    with torch.no_grad():
+        logp, ent = trainer._token_logprobs(model, batch, entropy=True)
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        ref_lp = token_logprobs(full, batch.targets)
+        ref_ent = entropy_from_logits(full)
+    on = batch.loss_mask > 0
+    assert on.sum() > 0 and bool((logp[~on] == 0).all()) and bool((ent[~on] == 0).all())
+    torch.testing.assert_close(logp[on], ref_lp[on], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[on], ref_ent[on], rtol=0, atol=1e-5)
