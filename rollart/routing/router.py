@@ -12,11 +12,31 @@ engine caches prefixes) and new + context tokens anywhere else (cache miss).
 
 A replica's wait is the estimated service time of the requests routed to it and not yet finished.
 
-Online correction: peak figures are never reached (MFU/MBU, attention, padding, host overheads),
-and by different amounts per replica. When the caller reports a finished engine batch
-(`on_batch(replica, request_ids, busy_s)`), the replica's scale becomes an EMA of measured busy
-time / estimated time of that batch, and every estimate for the replica is multiplied by it. One
-scalar per replica: it learns the replica's dominant phase best (the one affinity sends it).
+Online correction: peak figures are never reached (MFU/MBU, attention, padding, host overheads).
+When the caller reports a finished engine batch (`on_batch(replica, request_ids, busy_s)`), the
+replica's ratio becomes an EMA of measured busy time / estimated time of that batch. The estimate
+for replica i is multiplied by
+
+    scale_i = g * clamp(ratio_i / g, 1 / b, b),    g = geometric mean of the measured ratios
+
+g (`router/correction/common`) is what every replica shares (the engine software's efficiency,
+the emulation's time scale, a host's load): it multiplies every candidate alike, so it never
+changes which replica is cheapest, only how waits compare with the stickiness threshold. The
+per-replica part is bounded by b (`correction_bound`): two replicas' estimates can move against
+each other by at most b^2, and the default b = (smallest ratio between the pools' FLOP/s or
+bandwidths)^(1/4) keeps that below the square root of the smallest class advantage (H800 vs H20:
+bandwidth 4000/3350 = 1.194, b = 1.0453, at most 1.0927 of relative correction), so a pure
+prefill turn stays on the compute class and a pure decode turn on the bandwidth class whatever
+the measurements say. Replicas of one class only: b = 2.
+
+Why it must be bounded (issue 21): with one unbounded scalar per replica, the measured batch
+times of two emulated replicas sharing a CPU host carried the *other* replica's load (both
+competed for the same cores and the GIL, and the old emulation multiplied the stretched compute
+time by its slowdown), so the scales (4.1-6.5 between repeats) tracked contention, not hardware.
+A ratio of two such scales beyond 1.19 (the H20's whole decode advantage) flips decode-heavy
+turns to the H800; beyond ~4 it flips prefill-heavy ones too; and a replica that had not reported
+yet kept scale 1, so it looked several times faster than the measured ones. Placements then
+followed the noise (in one repeat the decision counts equalled round robin's).
 
 Policies (what a new episode, or a spilled one, gets):
   affinity      argmin over healthy replicas of wait + service_s on that replica's class
@@ -35,6 +55,9 @@ The caller reports: `route` when a request is ready, `on_finished` when its comp
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,6 +65,19 @@ from rollart.routing.catalog import HardwareClass
 
 Policy = Literal["affinity", "round_robin", "least_loaded"]
 POLICIES: tuple[str, ...] = ("affinity", "round_robin", "least_loaded")
+
+
+SAME_CLASS_BOUND = 2.0  # correction bound when every replica has the same figures
+
+
+def default_correction_bound(classes: Iterable[HardwareClass]) -> float:
+    """(smallest ratio > 1 between two replicas' FLOP/s or bandwidths) ** (1/4): the relative
+    correction between two replicas (at most bound^2) then stays below the square root of the
+    smallest class advantage. H800 + H20: (4000 / 3350) ** 0.25 = 1.0453."""
+    ratios = [max(x, y) / min(x, y)
+              for a, c in itertools.combinations(list(classes), 2)
+              for x, y in ((a.flops, c.flops), (a.bandwidth, c.bandwidth)) if x != y]
+    return min(ratios) ** 0.25 if ratios else SAME_CLASS_BOUND
 
 
 class NoHealthyReplica(RuntimeError):
@@ -52,19 +88,20 @@ class NoHealthyReplica(RuntimeError):
 class CostModel:
     flops_per_token: float  # prefill FLOPs per prompt token
     bytes_per_token: float  # decode bytes read per generated token (weights' share + KV)
+    time_scale: float = 1.0  # wall seconds per modelled second (emulation's time_scale)
 
     @classmethod
     def for_model(cls, params: float, bytes_per_param: float = 2.0, decode_batch: int = 1,
-                  kv_bytes_per_token: float = 0.0) -> CostModel:
+                  kv_bytes_per_token: float = 0.0, time_scale: float = 1.0) -> CostModel:
         """params: parameter count; bytes_per_param: 2 for bf16; decode_batch: rows that share one
         weight read per decode step; kv_bytes_per_token: KV bytes read per generated token."""
         return cls(flops_per_token=2.0 * params,
                    bytes_per_token=params * bytes_per_param / max(decode_batch, 1)
-                   + kv_bytes_per_token)
+                   + kv_bytes_per_token, time_scale=time_scale)
 
     def service_s(self, hw: HardwareClass, prefill_tokens: float, decode_tokens: float) -> float:
-        return (prefill_tokens * self.flops_per_token / hw.flops
-                + decode_tokens * self.bytes_per_token / hw.bandwidth)
+        return self.time_scale * (prefill_tokens * self.flops_per_token / hw.flops
+                                  + decode_tokens * self.bytes_per_token / hw.bandwidth)
 
 
 @dataclass(frozen=True)
@@ -98,7 +135,8 @@ class _Replica:
     spec: ReplicaSpec
     failed: bool = False
     outstanding: dict[str, float] = field(default_factory=dict)  # request id -> raw est s
-    scale: float = 1.0  # measured / estimated time, learned from finished batches
+    ratio: float = 1.0  # EMA of measured / estimated batch time (unbounded)
+    scale: float = 1.0  # the correction applied: common part x bounded relative part
     batches: int = 0
 
     @property
@@ -110,7 +148,7 @@ class Router:
     def __init__(self, replicas: list[ReplicaSpec], cost: CostModel, *,
                  policy: Policy = "affinity", sticky: bool = True,
                  imbalance_threshold_s: float = 1.0, prefix_cache: bool = True,
-                 correction_alpha: float = 0.3):
+                 correction_alpha: float = 0.3, correction_bound: float | None = None):
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {POLICIES}")
         if not replicas:
@@ -126,6 +164,11 @@ class Router:
         self.imbalance_threshold_s = imbalance_threshold_s
         self.prefix_cache = prefix_cache
         self.correction_alpha = correction_alpha  # 0 disables the online correction
+        if correction_bound is not None and correction_bound < 1.0:
+            raise ValueError(f"correction_bound must be >= 1, got {correction_bound}")
+        self.correction_bound = (correction_bound if correction_bound is not None
+                                 else default_correction_bound([r.hw for r in replicas]))
+        self.common_scale = 1.0
         self._raw: dict[str, float] = {}  # outstanding request id -> raw estimate (for on_batch)
         self._replicas: dict[str, _Replica] = {r.replica_id: _Replica(r) for r in replicas}
         self._order = ids  # round-robin rotation order
@@ -216,9 +259,18 @@ class Router:
         if raw <= 0.0 or busy_s <= 0.0 or self.correction_alpha <= 0.0:
             return
         ratio = min(max(busy_s / raw, 1e-3), 1e3)
-        rep.scale = ratio if rep.batches == 0 else rep.scale + self.correction_alpha * (
-            ratio - rep.scale)
+        rep.ratio = ratio if rep.batches == 0 else rep.ratio + self.correction_alpha * (
+            ratio - rep.ratio)
         rep.batches += 1
+        self._rescale()
+
+    def _rescale(self) -> None:
+        seen = [r.ratio for r in self._replicas.values() if r.batches]
+        g = math.exp(sum(math.log(x) for x in seen) / len(seen)) if seen else 1.0
+        b = self.correction_bound
+        self.common_scale = g
+        for rep in self._replicas.values():  # an unmeasured replica gets the common part
+            rep.scale = g * (min(max(rep.ratio / g, 1.0 / b), b) if rep.batches else 1.0)
 
     def on_episode_end(self, episode_id: str) -> None:
         self._home.pop(episode_id, None)
@@ -262,4 +314,7 @@ class Router:
             out[f"router/wait_s/{rid}"] = rep.wait_s
             out[f"router/failed/{rid}"] = float(rep.failed)
             out[f"router/scale/{rid}"] = rep.scale
+            out[f"router/measured_ratio/{rid}"] = rep.ratio
+        out["router/correction/common"] = self.common_scale
+        out["router/correction/bound"] = self.correction_bound
         return out

@@ -219,7 +219,8 @@ def test_config_engine_pools_hardware_merge_and_router():
     cfg = load_config("configs/default.yaml", [
         "cluster.engine_pools={H800: 1, H20: 2}", "hardware.H20.relative_cost=0.5",
         "hardware.B200={peak_tflops: 2250, mem_bw_gbs: 8000, memory_gb: 180}",
-        "routing.emulation.enabled=true", "routing.emulation.factors={H20: {prefill: 5}}"])
+        "routing.emulation.enabled=true", "routing.emulation.mode=slowdown",
+        "routing.emulation.factors={H20: {prefill: 5}}"])
     assert cfg.cluster.engine_classes() == ["H800", "H20", "H20"]
     assert cfg.hardware["H20"].relative_cost == 0.5 and cfg.hardware["H20"].peak_tflops == 148
     assert cfg.hardware["B200"].name == "B200"
@@ -238,7 +239,11 @@ def test_config_engine_pools_hardware_merge_and_router():
     (["cluster.engine_pools={X: 1}", "cluster.workers.X=1"], "add hardware.X"),
     (["routing.policy=random"], "'routing.policy'"),
     (["routing.emulation.factors={H20: {decode: 0.5}}"], "greater than or equal to 1"),
-    (["routing.emulation.factors={Z: {prefill: 2}}"], "not in hardware"),
+    (["routing.emulation.mode=slowdown", "routing.emulation.factors={Z: {prefill: 2}}"],
+     "not in hardware"),
+    (["routing.emulation.factors={H20: {prefill: 2}}"], "apply to mode: slowdown only"),
+    (["routing.emulation.time_scale=0"], "'routing.emulation.time_scale'"),
+    (["routing.correction_bound=0.5"], "'routing.correction_bound'"),
     (["hardware.H20.name=H800"], "must equal its key"),
 ])
 def test_bad_affinity_config_is_one_line(overrides, fragment):
@@ -249,14 +254,76 @@ def test_bad_affinity_config_is_one_line(overrides, fragment):
 
 def test_online_correction_scales_estimates_from_measured_batches():
     r = twins()
-    d = r.route(req("a1", "e1", task="x", new_tokens=0, decode_tokens=1000))  # 0.597 s raw
-    r.on_batch("a", ["a1"], busy_s=3 * d.est_service_s)  # the replica ran 3x slower
-    r.on_finished("a1")
-    assert r.metrics()["router/scale/a"] == pytest.approx(3.0)
-    again = req("a2", "e2", task="x", new_tokens=0, decode_tokens=1000)
+    assert r.correction_bound == 2.0  # one class: replicas may differ by up to 2^2
+    da = r.route(req("a1", "e1", task="x", new_tokens=0, decode_tokens=1000))  # 0.597 s raw
+    db = r.route(req("b1", "e2", task="x", new_tokens=0, decode_tokens=1000))
+    assert (da.replica_id, db.replica_id) == ("a", "b")
+    r.on_batch("a", ["a1"], busy_s=3 * da.est_service_s)  # a ran 3x slower than estimated
+    m = r.metrics()
+    # one replica measured: the common part is its ratio, and the unmeasured one shares it
+    # (it must not look 3x faster just because it has not reported yet)
+    assert m["router/scale/a"] == pytest.approx(3.0) and m["router/scale/b"] == pytest.approx(3.0)
+    r.on_batch("b", ["b1"], busy_s=db.est_service_s)  # b as estimated
+    for i in ("a1", "b1"):
+        r.on_finished(i)
+    m = r.metrics()
+    # common g = sqrt(3 x 1); relative 3 / g = 1.732 and 1 / g = 0.577, inside [1/2, 2]
+    assert m["router/correction/common"] == pytest.approx(3 ** 0.5)
+    assert m["router/scale/a"] == pytest.approx(3.0) and m["router/scale/b"] == pytest.approx(1.0)
+    again = req("a2", "e3", task="x", new_tokens=0, decode_tokens=1000)
     assert r.service_s(again, "a") == pytest.approx(3 * r.service_s(again, "b"))
     # ... so the next request prefers the replica that is really faster
     assert r.route(again).replica_id == "b"
+
+
+def _teach(r: Router, ratios: dict[str, float]) -> None:
+    """Report one finished batch per replica whose measured time is `ratio` x its estimate."""
+    for rid, ratio in ratios.items():
+        work = PREFILL_HEAVY if rid == "h800" else DECODE_HEAVY  # lands on rid when idle
+        d = r.route(req(f"teach-{rid}-{r.metrics()['router/new']}", f"teach-{rid}", **work))
+        assert d.replica_id == rid
+        r.on_batch(rid, [d.request_id], ratio * d.est_service_s / r.metrics()[
+            f"router/scale/{rid}"])
+        r.on_finished(d.request_id)
+        r.on_episode_end(f"teach-{rid}")
+
+
+def test_bounded_correction_cannot_reverse_the_class_cost_model():
+    """Default catalog, 1B bf16 model, idle pools. Hand-computed service times:
+    prefill-heavy (4000 prefill + 10 decode tokens): H800 14.059 ms, H20 59.054 ms (4.20x);
+    decode-heavy (100 + 1000): H800 597.21 ms, H20 501.35 ms (H20 1.191x faster).
+    Bound b = (4000 / 3350) ** 0.25 = 1.04533: relative correction at most b^2 = 1.0927 < 1.191."""
+    b = (4000 / 3350) ** 0.25
+    assert hetero().correction_bound == pytest.approx(b) == pytest.approx(1.04533, rel=1e-5)
+    for ratios in ({"h800": 0.1, "h20": 10.0}, {"h800": 10.0, "h20": 0.1},
+                   {"h800": 1e3, "h20": 1e-3}, {"h800": 1e-3, "h20": 1e3}):
+        r = hetero()
+        for _ in range(5):  # repeated contended batches, the EMA converges to the ratios
+            _teach(r, ratios)
+        m = r.metrics()
+        g = (ratios["h800"] * ratios["h20"]) ** 0.5
+        assert m["router/correction/common"] == pytest.approx(g)
+        hi, lo = ("h20", "h800") if ratios["h20"] > ratios["h800"] else ("h800", "h20")
+        assert m[f"router/scale/{hi}"] == pytest.approx(g * b)  # clamped at the bound
+        assert m[f"router/scale/{lo}"] == pytest.approx(g / b)
+        p = r.route(req("p", "ep", **PREFILL_HEAVY))
+        d = r.route(req("d", "ed", **DECODE_HEAVY))
+        assert (p.replica_id, p.hw_class) == ("h800", "H800"), ratios
+        assert (d.replica_id, d.hw_class) == ("h20", "H20"), ratios
+        # worst case for the decode-heavy turn (H20 penalised): H20 at g x b, 501.35 ms x 1.04533
+        # = 524.08 ms x g, against the H800 at g / b, 597.21 ms / 1.04533 = 571.31 ms x g
+        if hi == "h20":
+            assert d.est_service_s / g == pytest.approx(0.52408, rel=1e-4)
+            assert r.service_s(req("q", "eq", **DECODE_HEAVY), "h800") / g == pytest.approx(
+                0.57131, rel=1e-4)
+
+
+def test_unbounded_correction_would_reverse_it():
+    """The same contended measurements without the bound (the old per-replica scalar): the H20
+    looks 10 / 0.1 = 100x slower and takes neither turn, against the hardware."""
+    r = hetero(correction_bound=1e6)
+    _teach(r, {"h800": 0.1, "h20": 10.0})
+    assert r.route(req("d", "ed", **DECODE_HEAVY)).replica_id == "h800"
 
 
 def test_host_matched_slowdowns_keep_the_gpu_cost_ratios():
