@@ -341,3 +341,53 @@ def test_host_matched_slowdowns_keep_the_gpu_cost_ratios():
     assert (cost.service_s(emu["H800"], 0, 1) / cost.service_s(emu["H800"], 1, 0)
             == pytest.approx(989 / 3.35 / 8))
     assert cost.service_s(emu["H800"], 1, 0) == pytest.approx(50e-6 * s["H800"].prefill)
+
+
+# ---------------------------------------------------------------- batching (issue 21)
+
+# 1B bf16 with 8 rows per engine batch: a decode step reads 2 GB once for the whole batch.
+BATCHED = CostModel.for_model(1e9, bytes_per_param=2.0, decode_batch=8)
+
+
+def test_batch_cost_is_the_longest_row_at_a_full_step_hand_computed():
+    # H800, 8 rows: 4 x (1000 prefill, 8 decode) + 4 x (16, 128):
+    # prefill (4000 + 64) x 2e9 / 989e12 = 8.2184 ms; decode 128 x 2e9 / 3.35e12 = 76.418 ms
+    rows = [(1000, 8)] * 4 + [(16, 128)] * 4
+    assert BATCHED.batch_s(H800, rows) == pytest.approx(8.2184e-3 + 76.418e-3, rel=1e-4)
+    # the same rows split by task: 2 batches, 8.0890 + 4.7761 ms and 0.1294 + 76.418 ms
+    assert (BATCHED.batch_s(H800, [(1000, 8)] * 4) + BATCHED.batch_s(H800, [(16, 128)] * 4)
+            == pytest.approx(12.865e-3 + 76.547e-3, rel=1e-4))
+    # a full batch of equal rows costs the sum of the per-request shares
+    assert BATCHED.batch_s(H20, [(16, 128)] * 8) == pytest.approx(
+        8 * BATCHED.service_s(H20, 16, 128))
+    # 9 rows: a second batch
+    assert BATCHED.batch_s(H20, [(0, 128)] * 9) == pytest.approx(2 * 128 * 2e9 / 4e12)
+
+
+def test_affinity_batches_like_with_like():
+    """A decode-heavy turn arrives while the H800 holds 3 queued prefill-heavy turns and the H20
+    one running batch of 8 decode-heavy turns (on_started). Hand-computed (1B bf16, batch 8):
+    - H800: wait 3 x 1000 x 2e9 / 989e12 + 8 x 2e9 / 3.35e12 = 6.0667 + 4.7761 = 10.843 ms;
+      joining that batch stretches its decode from 8 to 128 steps: +120 x 0.59701 ms + 0.032 ms
+      prefill = 71.674 ms, inflicted on the 3 queued rows too: cost 10.843 + 4 x 71.674 =
+      297.54 ms (earliest finish alone: 10.843 + 71.674 = 82.52 ms);
+    - H20: wait 128 x 2e9 / 4e12 + 8 x 16 x 2e9 / 148e12 = 64 + 1.7297 = 65.730 ms (the running
+      batch takes no new rows); a new batch for it: 64.216 ms; cost 129.95 ms.
+    Earliest finish alone would pick the H800 (82.52 < 129.95); affinity picks the H20."""
+    r = Router([ReplicaSpec("h800", H800), ReplicaSpec("h20", H20)], BATCHED)
+    for i in range(3):
+        assert r.route(req(f"p{i}", f"p{i}", task="obs", new_tokens=1000, decode_tokens=8)
+                       ).replica_id == "h800"
+    for i in range(8):
+        assert r.route(req(f"d{i}", f"d{i}", task="reason", new_tokens=16, decode_tokens=128)
+                       ).replica_id == "h20"
+    r.on_started("h20", [f"d{i}" for i in range(8)])
+    assert r.wait_s("h800") == pytest.approx(10.843e-3, rel=1e-4)
+    assert r.wait_s("h20") == pytest.approx(65.730e-3, rel=1e-4)
+    new = req("d8", "d8", task="reason", new_tokens=16, decode_tokens=128)
+    assert r.service_s(new, "h800") == pytest.approx(71.674e-3, rel=1e-4)
+    assert r.service_s(new, "h20") == pytest.approx(64.216e-3, rel=1e-4)
+    assert r._finish_s(new, "h800") == pytest.approx(297.54e-3, rel=1e-4)
+    assert r._finish_s(new, "h20") == pytest.approx(129.95e-3, rel=1e-4)
+    d = r.route(new)
+    assert (d.replica_id, d.est_wait_s) == ("h20", pytest.approx(65.730e-3, rel=1e-4))
