@@ -18,10 +18,10 @@ GPU serving a batch. Decode is bandwidth-bound until A reaches FLOP/s / bandwidt
 a GPU. `params` is the model the emulation stands for (e.g. 7e9), not necessarily the model that
 computes the tokens; None: the served model's own parameter count (the engine fills it in).
 
-With `forward=True` the real forward pass still runs, so tokens and log-probs are real; the engine
-sleeps until the pass's modelled end (deadline kept across the whole batch), which subtracts the
-pass's CPU time as long as it is shorter than the modelled time, and counts any excess as
-overrun (`emulated_overrun_s`). With `forward=False` the forward pass is skipped (uniform logits:
+With `forward=True` the real forward pass still runs, so tokens and log-probs are real; at the end
+of each batch the engine sleeps until the modelled end of all its passes, which subtracts their
+CPU time as long as it is shorter than the modelled time, and counts any excess as overrun
+(`emulated_overrun_s`). With `forward=False` the forward pass is skipped (uniform logits:
 random tokens, log-prob = -log V): the service time is then exact up to the sleep's resolution.
 
 The router's cost model (rollart.routing.router.CostModel) is the same arithmetic per request with
