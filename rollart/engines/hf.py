@@ -195,6 +195,7 @@ class HFEngine:
                  phase: str = "decode") -> Tensor:
         t0 = time.perf_counter()
         em = self.emulate
+        pass_s = 0.0
         if isinstance(em, ServiceModel) and not em.forward:
             logits = torch.zeros((input_ids.shape[0], self._vocab()))  # uniform: no real pass
         else:
@@ -207,7 +208,8 @@ class HFEngine:
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1, :].float()  # [A, V]
-            self._stats["forward_s"] += time.perf_counter() - t0
+            pass_s = time.perf_counter() - t0
+            self._stats["forward_s"] += pass_s
         if isinstance(em, ServiceModel):  # the batch sleeps until the sum once, at its end
             rows = int(input_ids.shape[0])
             t = em.prefill_s(int(mask.sum())) if phase == "prefill" else em.decode_step_s(rows)
@@ -216,7 +218,7 @@ class HFEngine:
         elif em is not None:
             factor = em.prefill if phase == "prefill" else em.decode
             if factor > 1.0:
-                extra = (factor - 1.0) * (time.perf_counter() - t0)
+                extra = (factor - 1.0) * pass_s
                 time.sleep(extra)
                 self._stats[f"emulated_{phase}_s"] += extra
         return logits
