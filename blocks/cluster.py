@@ -8,6 +8,8 @@ from typing import ClassVar
 from prefect.blocks.core import Block
 from pydantic import Field
 
+from rollart.cluster_classes import default_stages, default_workers
+
 
 class DaskCluster(Block):
     """A Dask cluster whose workers carry hardware-class resources. `scheduler_address` None
@@ -20,11 +22,10 @@ class DaskCluster(Block):
     scheduler_address: str | None = Field(None, description="tcp://host:8786; None: embedded")
     dashboard_url: str | None = Field(None, description="Dask dashboard, for people")
     workers: dict[str, int] = Field(
-        default_factory=lambda: {"H800": 1, "H20": 1, "CPU": 1},
+        default_factory=default_workers,
         description="Hardware class -> worker count (resource CLASS=1 on each)")
     stages: dict[str, str] = Field(
-        default_factory=lambda: {"trainer": "H800", "engine": "H20", "env": "CPU",
-                                 "reward": "CPU"},
+        default_factory=default_stages,
         description="Stage -> hardware class")
 
     def config_overrides(self) -> list[str]:

@@ -17,6 +17,7 @@ from blocks import (
     RunStorage,
     register_block_types,
 )
+from rollart.cluster_classes import default_workers
 
 LOCAL = "local"
 
@@ -28,7 +29,7 @@ def register_local_blocks(stack: dict[str, Any], storage_root: str | None = None
     the stack's S3 server instead of `storage_root`. Returns {type slug: document name}."""
     register_block_types()
     saved: dict[str, str] = {}
-    workers = stack.get("classes") or {"H800": 1, "H20": 1, "CPU": 1}
+    workers = stack.get("classes") or default_workers()
     cluster = DaskCluster(scheduler_address=stack.get("scheduler_address"),
                           dashboard_url=stack.get("dashboard_url"), workers=dict(workers))
     cluster.save(LOCAL, overwrite=True)

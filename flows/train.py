@@ -4,10 +4,10 @@
         -> sync_weights (engine class) -> [checkpoint (trainer class)] [evaluate (env class)]
 
 The flow only orchestrates: it validates the config, starts or connects to the Dask cluster,
-creates the long-lived services as Dask actors pinned to their classes (engine replicas, the
-trainer, one env host per env-class worker, and the rollout service that keeps episodes running
-across iterations), then submits one DAG per iteration with every submission annotated with its
-class. `collect` takes the next batch of complete groups from the rollout service.
+and hands the iteration driver (`rollart/driver.py`, the same loop the in-process mode runs)
+a runner that submits each stage as a Prefect task annotated with its class and a factory that
+creates the long-lived services as Dask actors on their classes; then it reports each
+iteration (log, terminal, artifacts).
 """
 
 from __future__ import annotations
@@ -16,27 +16,24 @@ import contextlib
 import time
 from typing import Any
 
-import dask
 from distributed import Client
 from prefect import flow, get_run_logger
 from prefect.states import Failed
-from prefect_dask import DaskTaskRunner
 
-import tasks.stages as t
 from blocks import resolve_blocks
+from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
 from flows.artifacts import RunArtifacts
-from infra.dask_cluster import HardwareClassCluster, worker_classes
+from infra.dask_cluster import HardwareClassCluster
 from infra.lambda_endpoint import with_embedded_endpoint
 from rollart import progress
-from rollart import stages as stage_fns
-from rollart.config import RunConfig, config_from_dict, load_config
+from rollart.config import load_config
+from rollart.dask_services import DaskServices
+from rollart.driver import IterationDriver, IterationResult, Placement
 from rollart.metrics import summary_row
-from rollart.rollout.env_host import EnvHostService
-from rollart.services import EngineService, RolloutServiceActor, TrainerService
-from rollart.storage.background import flush_all
+from rollart.run import RunSpec
 from rollart.storage.resume import ResumeError, describe, start_run
 from rollart.storage.s3 import StorageError
-from rollart.storage.store import RunStore
+from tasks.stages import PrefectStages, task_runner
 
 
 def new_run_id(name: str) -> str:
@@ -63,6 +60,7 @@ def train(
     # invalid config fails before any cluster starts
     cfg = load_config(config, blocks.overrides + list(overrides or []))
     blocks.apply_environment()
+    install_credentials_resolver()  # storage.credentials_block, in this process
     if resume and run_id and run_id != resume:
         return Failed(message=f"run_id {run_id!r} and resume {resume!r} differ")
     run_id = resume or run_id or new_run_id(cfg.name)
@@ -91,166 +89,57 @@ def train(
         cfg = with_embedded_endpoint(cfg, stack)
         if cfg.reward.endpoint_url and cfg.reward.embedded_endpoint:
             progress.note(f"Rewards:         local Lambda endpoint {cfg.reward.endpoint_url}")
-        runner = DaskTaskRunner(address=address)
-        return iterations.with_options(task_runner=runner)(
-            cfg.model_dump(mode="json"), run_id, address, point.step if point else None
+        return iterations.with_options(task_runner=task_runner(cfg, address))(
+            RunSpec(cfg, run_id), address, point.step if point else None
         )
 
 
-def _check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
-    have = worker_classes(client)
-    wanted = set(cfg.cluster.stages.values()) | set(cfg.cluster.engine_classes(cfg.engine.replicas))
-    missing = sorted(c for c in wanted if c not in have)
-    if missing:
-        raise RuntimeError(
-            f"no Dask worker carries resource(s) {missing}; start workers with "
-            f"`dask worker --resources {missing[0]}=1` or fix cluster.stages"
-        )
-    return have
-
-
-def _host_stats(host: Any) -> dict[str, Any] | None:
-    try:
-        return host.stats().result(timeout=10)
-    except Exception:  # its worker is gone
-        return None
-
-
-@flow(name="iterations")
-def iterations(cfg_dict: dict[str, Any], run_id: str, address: str,
-               resume_step: int | None = None) -> dict[str, Any]:
-    cfg = config_from_dict(cfg_dict)
+@flow(name="iterations", validate_parameters=False)
+def iterations(run: RunSpec, address: str, resume_step: int | None = None) -> dict[str, Any]:
+    cfg, run_id = run.cfg, run.run_id
     logger = get_run_logger()
-    root = cfg.storage.root
-    store = RunStore.from_config(cfg.storage, run_id)
-    stages = cfg.cluster.stages
+    artifacts = RunArtifacts(run_id, cfg.iterations)
+    placed = Placement()
+    saved: list[dict[str, Any]] = []  # checkpoint stage results, in order
 
-    def on(stage: str):
-        return dask.annotate(resources={stages[stage]: 1})
-
-    placement: dict[str, list[dict[str, Any]]] = {}
-
-    def placed(stage: str, info: dict[str, Any]) -> dict[str, Any]:
-        placement.setdefault(stage, []).append(
-            {k: info.get(k) for k in ("worker", "resources")})
-        return info
+    def report(res: IterationResult) -> None:
+        saved.extend([res.checkpoint] if res.checkpoint else [])
+        row = summary_row(res.metrics)
+        logger.info(progress.format_row(row))
+        progress.report(row)
+        artifacts.iteration(res.plan.step, row, res.metrics, res.checkpoint)
 
     with Client(address) as client:
-        _check_classes(client, cfg)
-        with on("env"):
-            placed("prepare", t.prepare.submit(cfg_dict, root, run_id).result())
-        trainer = client.submit(TrainerService, cfg_dict, root, run_id, actor=True,
-                                resources={stages["trainer"]: 1}).result()
-        # One engine replica per entry of cluster.engine_pools (default: engine.replicas on the
-        # `engine` stage's class), each pinned to its hardware class.
-        engine_classes = cfg.cluster.engine_classes(cfg.engine.replicas)
-        engines = [
-            client.submit(EngineService, cfg_dict, root, run_id, r, actor=True,
-                          resources={hw: 1}, key=f"engine-{run_id}-{r}").result()
-            for r, hw in enumerate(engine_classes)
-        ]
-        placed("trainer_service", trainer.where().result())
-        for e in engines:
-            placed("engine_service", e.where().result())
-        # One env host per env-class worker: episodes survive the loss of any one of them.
-        env_workers = _check_classes(client, cfg)[stages["env"]]
-        hosts = [client.submit(EnvHostService, cfg_dict, actor=True, workers=[addr],
-                               key=f"env-host-{run_id}-{i}").result()
-                 for i, addr in enumerate(env_workers)]
-        # The rollout service reaches hosts by (key, address), not as task dependencies: a lost
-        # env worker must not take the service's own actor down with it.
-        host_refs = [(h.key, placed("env_host", h.stats().result())["address"]) for h in hosts]
-        start = 0
-        if resume_step is not None:  # trainer state, ledger, engine RNG; weights synced below
-            restored = stage_fns.restore(trainer, engines, resume_step)
-            start = restored["next_iteration"]
-            logger.info("Restored checkpoint %d: policy version %d, next iteration %d, ledger %s",
-                        resume_step, restored["version"], start, restored["ledger"])
-        with on("engine"):
-            placed("sync_weights", t.sync_weights.submit(trainer, engines).result())
-        # The coordinator lives with the first env host; losing that worker ends the run (resume
-        # from the last checkpoint), losing any other env worker costs only its episodes.
-        rollout = client.submit(RolloutServiceActor, cfg_dict, root, run_id, engines, host_refs,
-                                start, actor=True, workers=[env_workers[0]],
-                                key=f"rollout-{run_id}").result()
-        placed("rollout_service", rollout.start().result())
-        logger.info("Rollout service: %d env host(s), max_staleness %d, redundancy %d",
-                    len(hosts), cfg.rollout.max_staleness, cfg.rollout.redundancy)
-        logger.info("Run %s: store %s; %d engine replica(s)", run_id, store.url, len(engines))
-        progress.note(f"Checkpoints and metrics under {store.url}")
-
-        artifacts = RunArtifacts(run_id, cfg.iterations)
-        last_ckpt: dict[str, Any] | None = None
-        final: dict[str, float] = {}
-        for it in range(start, cfg.iterations):
-            t0 = time.perf_counter()
-            with on("env"):
-                collected = t.collect.submit(rollout, it)
-            with on("reward"):
-                scored = t.score.submit(cfg_dict, root, run_id, it, collected)
-            with on("trainer"):
-                updated = t.update.submit(trainer, scored)
-            step = it + 1
-            checkpoint_due = step % cfg.storage.save_every == 0 or step == cfg.iterations
-            # On a checkpoint iteration the next batch starts after the snapshot, so the
-            # engines' sampling RNG is captured at rest (exact resume with max_staleness 0).
-            with on("engine"):
-                synced = t.sync_weights.submit(trainer, engines,
-                                               None if checkpoint_due else rollout, step,
-                                               wait_for=[updated])
-            ckpt = None
-            if checkpoint_due:
-                with on("trainer"):
-                    ckpt = t.checkpoint.submit(trainer, step, {"iteration": it}, engines,
-                                               wait_for=[updated])
-            ev = None
-            if cfg.eval.episodes and (
-                (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.iterations
-            ):
-                with on("env"):
-                    ev = t.evaluate.submit(cfg_dict, root, run_id, engines, cfg.eval.episodes,
-                                           wait_for=[synced])
-            m: dict[str, Any] = {"iteration": float(it), "version": float(step)}
-            m.update(placed("collect", collected.result()[1])["metrics"])
-            m.update(placed("score", scored.result()[1])["metrics"])
-            m.update(placed("update", updated.result())["metrics"])
-            m.update(placed("sync_weights", synced.result())["metrics"])
-            if ckpt is not None:
-                last_ckpt = placed("checkpoint", ckpt.result())
-                synced.result()  # the engines serve the new version before episodes start
-                rollout.set_version(step).result()
-                m["perf/checkpoint_s"] = last_ckpt["save_s"]  # blocking part; upload: below
-                for up in last_ckpt.get("uploaded", []):  # background uploads finished since
-                    m["perf/checkpoint_upload_s"] = up["result"]["upload_s"]
-            if ev is not None:
-                m.update(placed("evaluate", ev.result())["metrics"])
-            m["perf/iteration_s"] = time.perf_counter() - t0
-            store.append_jsonl("metrics.jsonl", m)
-            row = summary_row(m)
-            final = m
-            logger.info(progress.format_row(row))
-            progress.report(row)
-            artifacts.iteration(step, row, m, last_ckpt if ckpt is not None else None)
-
-        rollout_stats = rollout.stop().result()
-        rollout_stats["env_hosts"] = [_host_stats(h) for h in hosts]
-        logger.info("Rollout service: %s", rollout_stats["counters"])
-        # The final checkpoint (and every background upload) is durable before the run ends.
-        uploads = trainer.flush_checkpoints().result()
-        shards = client.run(flush_all)
+        if cfg.storage.credentials_block:  # workers resolve the secret block themselves
+            client.register_plugin(CredentialsResolverPlugin())
+        driver = IterationDriver(run, PrefectStages(cfg), DaskServices(client, run, placed),
+                                 placed)
+        try:
+            first = driver.start(resume_step)
+            if driver.restored is not None:
+                logger.info("Restored checkpoint %d: policy version %d, next iteration %d, "
+                            "ledger %s", resume_step, driver.restored["version"], first,
+                            driver.restored["ledger"])
+            logger.info("Run %s: store %s; %d engine replica(s), %d env host(s), max_staleness "
+                        "%d", run_id, driver.store.url, len(driver.svc.engines),
+                        len(driver.svc.hosts), cfg.rollout.max_staleness)
+            progress.note(f"Checkpoints and metrics under {driver.store.url}")
+            curve = driver.iterations(first, report)
+            done = driver.finish()
+        except BaseException:
+            driver.abort()
+            raise
+        logger.info("Rollout service: %s", done["rollout"]["counters"])
         logger.info("Uploads finished: %d checkpoint/weight upload(s), %d shard(s)",
-                    len(uploads), sum(shards.values()))
-        artifacts.finish(store)
-        ckpt_path = last_ckpt["path"] if last_ckpt else None
-        fingerprints = {"trainer": trainer.fingerprint().result(),
-                        "engine": engines[0].fingerprint().result()}
+                    len(done["uploads"]), done["shards_flushed"])
+        artifacts.finish(driver.store)
     return {
         "run_id": run_id,
-        "store": store.url,
-        "checkpoint": ckpt_path,
-        "final_metrics": final,
-        "placement": placement,
-        "fingerprints": fingerprints,
+        "store": driver.store.url,
+        "checkpoint": saved[-1]["path"] if saved else None,
+        "final_metrics": curve[-1] if curve else {},
+        "placement": placed.by_stage,
+        "fingerprints": done["fingerprints"],
         "resumed_from": resume_step,
-        "rollout": rollout_stats,
+        "rollout": done["rollout"],
     }

@@ -13,6 +13,8 @@ import os
 import dask
 from distributed import Nanny, Scheduler, SpecCluster
 
+from rollart.cluster_classes import default_workers
+
 # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in every worker it spawns (glibc hands freed
 # memory back to the OS eagerly); we leave glibc's default. An early one-off measurement blamed it
 # for a 1.5x torch slowdown in workers; `benchmarks/worker_malloc.py` does not reproduce that
@@ -58,7 +60,7 @@ class HardwareClassCluster(SpecCluster):
         dashboard: bool = True,
         **kwargs,
     ) -> None:
-        workers = workers or {"H800": 1, "H20": 1, "CPU": 1}
+        workers = workers or default_workers()
         # Torch in every worker process would otherwise grab every core; stages set their own.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         configure_worker_environ()

@@ -36,9 +36,9 @@ from infra.procs import (
     stop_pid,
     stop_pids,
 )
+from rollart.cluster_classes import default_workers
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CLASSES = {"H800": 1, "H20": 1, "CPU": 1}
 DEFAULT_POOL = "rollart-local"
 LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> reward handler
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
@@ -67,7 +67,7 @@ class Stack:
         self.file = self.state / "stack.json"
         saved = self._load()
         self.free_ports = free_ports
-        self.classes = classes or saved.get("classes") or dict(DEFAULT_CLASSES)
+        self.classes = classes or saved.get("classes") or default_workers()
         self.pool = saved.get("pool", pool) if pool == DEFAULT_POOL else pool
         self.poll_seconds = poll_seconds
         self.worker_limit = worker_limit

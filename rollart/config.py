@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from rollart.cluster_classes import default_stages, default_workers
 from rollart.config_base import ConfigError, _Strict
 from rollart.config_sections import (
     EmulationConfig,
@@ -161,6 +162,9 @@ class AlgoConfig(_Strict):
     loss: str = "ppo_clip"  # registry key in rollart.algo
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0)
+    # Dual clip (Ye et al. 2020): for A < 0 the per-token loss is capped at -A * dual_clip
+    # (3.0 is usual); None disables. The loss takes the fields named like its parameters.
+    dual_clip: float | None = Field(None, gt=1.0)
     loss_agg: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
     kl_coef: float = Field(0.0, ge=0.0)  # k3 KL to the initial policy; 0 disables the reference
     entropy_coef: float = Field(0.05, ge=0.0)
@@ -193,16 +197,16 @@ class ClusterConfig(_Strict):
 
     address: str | None = None
     # Embedded cluster: worker count per hardware class; each worker gets resource {class: 1}.
-    workers: dict[str, int] = {"H800": 1, "H20": 1, "CPU": 1}
+    workers: dict[str, int] = Field(default_factory=default_workers)
     # Stage -> hardware class (= Dask resource name).
-    stages: dict[str, str] = {
-        "trainer": "H800",
-        "engine": "H20",
-        "env": "CPU",
-        "reward": "CPU",
-    }
+    stages: dict[str, str] = Field(default_factory=default_stages)
     threads_per_worker: int = Field(1, gt=0)
     dashboard: bool = True
+    # How the flow runs its stage tasks (both keep every stage on a worker of its class):
+    # "threads": Prefect tasks on a thread pool in the flow process, each submitting its stage
+    #   as a raw Dask task annotated with the class (~ms of Prefect overhead per task);
+    # "dask": Prefect's DaskTaskRunner ships each task to the worker (~0.2-0.3 s per task).
+    task_runner: Literal["threads", "dask"] = "threads"
     # Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy
     # pools; see `routing`). None: `engine.replicas` replicas on `stages.engine` (one pool).
     engine_pools: dict[str, int] | None = None

@@ -14,16 +14,17 @@ from typing import Any
 import torch
 
 from rollart.algo import get_advantage_estimator, zero_variance_groups
-from rollart.config import RunConfig, config_from_dict, dump_config
+from rollart.config import dump_config
+from rollart.handles import call, worker_identity
 from rollart.metrics import reward_metrics, rollout_metrics
+from rollart.models.run_model import chat_format, prepare_tokenizer
 from rollart.rewards.client import make_reward_client
-from rollart.rollout.batcher import call
 from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
 from rollart.rollout.plan import plan_eval
-from rollart.rollout.service import RolloutService
-from rollart.services import chat_format, prepare_tokenizer, worker_identity
+from rollart.rollout.setup import sampling_params
+from rollart.run import RunSpec
+from rollart.spans import timed_stage
 from rollart.storage.background import shard_writer
-from rollart.storage.store import RunStore
 from rollart.types import SamplingParams, Trajectory
 
 
@@ -32,52 +33,36 @@ def trajectories_of(x: list[Trajectory] | tuple[list[Trajectory], dict]) -> list
     return x[0] if isinstance(x, tuple) else x
 
 
-def prepare(cfg_dict: dict, root: str, run_id: str) -> dict[str, Any]:
-    cfg = config_from_dict(cfg_dict)
-    store = RunStore.from_config(cfg.storage, run_id)
+@timed_stage
+def prepare(run: RunSpec) -> dict[str, Any]:
+    """The run's config and tokenizer into the store (once; env code, so on a CPU worker)."""
+    store = run.store()
     if not store.exists("config.yaml"):
-        store.write_text("config.yaml", dump_config(cfg))
-    vocab = prepare_tokenizer(cfg, store)
+        store.write_text("config.yaml", dump_config(run.cfg))
+    vocab = prepare_tokenizer(run, store)
     return {"vocab_size": vocab, "store": store.url, **worker_identity()}
 
 
-def _sampling(cfg: RunConfig, greedy: bool = False) -> SamplingParams:
-    e = cfg.engine
-    return SamplingParams(max_new_tokens=e.max_new_tokens, temperature=0.0 if greedy else
-                          e.temperature, top_p=1.0 if greedy else e.top_p, stop=list(e.stop))
-
-
-def _run_on_engines(cfg: RunConfig, root: str, run_id: str, specs: list[EpisodeSpec],
-                    engines: list[Any], params: SamplingParams,
+def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
+                    params: SamplingParams,
                     on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Split episodes across engine replicas (contiguous, so groups stay together)."""
-    RunStore.from_config(cfg.storage, run_id)  # this worker reaches the store as configured
-    chat = chat_format(root, run_id, cfg.model.path if cfg.model.source == "hf_dir" else None)
-    max_ctx = cfg.model.tiny.max_position if cfg.model.source == "tiny" else 4096
+    chat = chat_format(run)
     n = len(engines)
     chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
+    per_task = constrained_params(params, chat, run.cfg.tasks)
 
-    per_task = constrained_params(params, chat, cfg.tasks)
-
-    def run(i: int) -> list[Trajectory]:
+    def on(i: int) -> list[Trajectory]:
         return run_episodes(chunks[i], lambda reqs: call(engines[i], "generate", reqs),
-                            chat, per_task, max_ctx, on_done)
+                            chat, per_task, run.max_context, on_done)
 
     if n == 1:
-        return run(0)
+        return on(0)
     with ThreadPoolExecutor(n) as pool:
-        return [t for part in pool.map(run, range(n)) for t in part]
+        return [t for part in pool.map(on, range(n)) for t in part]
 
 
-def rollout_service(cfg: RunConfig, root: str, run_id: str, engines: list[Any],
-                    hosts: list[Any], version: int = 0) -> RolloutService:
-    """The run's rollout service (not started): chat format, per-task sampling, rewards."""
-    chat = chat_format(root, run_id, cfg.model.path if cfg.model.source == "hf_dir" else None)
-    max_ctx = cfg.model.tiny.max_position if cfg.model.source == "tiny" else 4096
-    return RolloutService(cfg, chat, engines, hosts, make_reward_client(cfg.reward),
-                          constrained_params(_sampling(cfg), chat, cfg.tasks), version, max_ctx)
-
-
+@timed_stage
 def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, Any]]:
     """The complete, scored groups for update `iteration` from the rollout service. Episodes
     ran (and were rewarded as each ended) while earlier updates trained, as far as
@@ -89,10 +74,11 @@ def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, A
     return trajs, {**info, **worker_identity()}
 
 
-def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
+@timed_stage
+def score(run: RunSpec, iteration: int,
           collected: Any) -> tuple[list[Trajectory], dict[str, Any]]:
     """Rewards, then group-normalised advantages; failed episodes are dropped here."""
-    cfg = config_from_dict(cfg_dict)
+    cfg = run.cfg
     t0 = time.perf_counter()
     trajs = trajectories_of(collected)
     ok = [t for t in trajs if t.error is None]
@@ -112,13 +98,14 @@ def score(cfg_dict: dict, root: str, run_id: str, iteration: int,
         t.advantage = a
     m = reward_metrics(ok, len(zero_variance_groups(rewards, groups)) if ok else 0)
     if cfg.storage.shards and ok:  # Parquet shard, uploaded off the critical path
-        store, shard = RunStore.from_config(cfg.storage, run_id), list(ok)
+        store, shard = run.store(), list(ok)
         m["perf/shard_wait_s"] = shard_writer().submit(
             f"shard {iteration}", lambda: store.write_shard(iteration, shard))
     m["perf/score_s"] = time.perf_counter() - t0
     return ok, {"metrics": m, "dropped": dropped, **worker_identity()}
 
 
+@timed_stage
 def update(trainer: Any, scored: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     dropped = scored[1].get("dropped") if isinstance(scored, tuple) else None
@@ -127,6 +114,7 @@ def update(trainer: Any, scored: Any) -> dict[str, Any]:
     return {**out, "caller": worker_identity()}
 
 
+@timed_stage
 def sync_weights(trainer: Any, engines: list[Any], rollout: Any = None,
                  step: int | None = None) -> dict[str, Any]:
     """Trainer -> engines, worker to worker through this task (runs on an engine worker), or
@@ -166,6 +154,7 @@ def _push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
     }
 
 
+@timed_stage
 def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
                engines: list[Any] | None = None) -> dict[str, Any]:
     """Snapshot trainer state, sample ledger and the engines' sampling RNG (exact resume);
@@ -173,6 +162,12 @@ def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
     engine_rng = [call(e, "rng_state") for e in engines or []]
     return {**call(trainer, "save_checkpoint", step, meta, engine_rng or None),
             "caller": worker_identity()}
+
+
+@timed_stage
+def load_checkpoint_weights(engine: Any, step: int) -> dict[str, Any]:
+    """Evaluation of a finished run: the engine serves checkpoint `step` (verified)."""
+    return call(engine, "load_checkpoint", step)
 
 
 def restore(trainer: Any, engines: list[Any], step: int) -> dict[str, Any]:
@@ -183,13 +178,12 @@ def restore(trainer: Any, engines: list[Any], step: int) -> dict[str, Any]:
     return info
 
 
-def evaluate(cfg_dict: dict, root: str, run_id: str, engines: list[Any],
-             episodes: int) -> dict[str, Any]:
+@timed_stage
+def evaluate(run: RunSpec, engines: list[Any], episodes: int) -> dict[str, Any]:
     """Greedy episodes on held-out seeds."""
-    cfg = config_from_dict(cfg_dict)
     t0 = time.perf_counter()
-    trajs = _run_on_engines(cfg, root, run_id, plan_eval(cfg, episodes), engines,
-                            _sampling(cfg, greedy=True))
+    trajs = _run_on_engines(run, plan_eval(run.cfg, episodes), engines,
+                            sampling_params(run.cfg, greedy=True))
     m = rollout_metrics(trajs, prefix="eval")
     m["perf/eval_s"] = time.perf_counter() - t0
     return {"metrics": m, **worker_identity()}

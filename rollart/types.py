@@ -11,6 +11,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from rollart.arrow_schema import Float32, Int8, Int32, arrow_schema, arrow_type
+
 
 @dataclass
 class SamplingParams:
@@ -44,14 +46,14 @@ class Completion:
 
 @dataclass
 class Turn:
-    index: int
+    index: Int32
     observation: str
     response: str
     action: str | None  # parsed action name, None when the response had no valid action
     format_ok: bool  # strict <answer>...</answer> format was followed
     env_reward: float
-    prompt_tokens: int  # new (non-model) tokens appended before this turn's generation
-    completion_tokens: int
+    prompt_tokens: Int32  # new (non-model) tokens appended before this turn's generation
+    completion_tokens: Int32
     weight_version: int
     generate_s: float
     env_s: float
@@ -59,17 +61,17 @@ class Turn:
 
 @dataclass
 class Trajectory:
-    sample_id: str  # unique across the run: "{task}/{seed}/{member}@{iteration}"
+    sample_id: str  # unique in the run: "{task}/i{iteration}/g{group}/m{member}" (rollout/ids)
     task: str  # task name from config (one env kind may appear under several task names)
     env_id: str
     group_id: str
     seed: int
     iteration: int
-    token_ids: list[int]  # whole conversation: system, user, assistant turns
-    loss_mask: list[int]  # 1 only on model-generated tokens
-    behaviour_logprobs: list[float]  # per token; 0.0 where loss_mask == 0
+    token_ids: list[Int32]  # whole conversation: system, user, assistant turns
+    loss_mask: list[Int8]  # 1 only on model-generated tokens
+    behaviour_logprobs: list[Float32]  # per token; 0.0 where loss_mask == 0
     token_versions: list[int]  # policy version per token; -1 where loss_mask == 0
-    allowed_token_ids: list[int] | None = None  # sampling restriction the log-probs are under
+    allowed_token_ids: list[Int32] | None = None  # sampling restriction the log-probs are under
     turns: list[Turn] = field(default_factory=list)
     env_return: float = 0.0  # sum of env rewards (task reward + format penalties)
     task_return: float = 0.0  # sum of task rewards alone
@@ -77,7 +79,7 @@ class Trajectory:
     success: bool = False
     terminated: bool = False
     truncated: bool = False
-    format_errors: int = 0
+    format_errors: Int32 = 0
     error: str | None = None  # set when the episode was cut short by an env failure
     reward: float | None = None  # scalar reward after scoring
     reward_details: dict[str, float] = field(default_factory=dict)
@@ -112,52 +114,9 @@ class Trajectory:
         return cls(**row)
 
 
-_KV = pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))
-
-TURN_SCHEMA = pa.struct(
-    [
-        ("index", pa.int32()),
-        ("observation", pa.string()),
-        ("response", pa.string()),
-        ("action", pa.string()),
-        ("format_ok", pa.bool_()),
-        ("env_reward", pa.float64()),
-        ("prompt_tokens", pa.int32()),
-        ("completion_tokens", pa.int32()),
-        ("weight_version", pa.int64()),
-        ("generate_s", pa.float64()),
-        ("env_s", pa.float64()),
-    ]
-)
-
-TRAJECTORY_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("task", pa.string()),
-        ("env_id", pa.string()),
-        ("group_id", pa.string()),
-        ("seed", pa.int64()),
-        ("iteration", pa.int64()),
-        ("token_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("behaviour_logprobs", pa.list_(pa.float32())),
-        ("token_versions", pa.list_(pa.int64())),
-        ("allowed_token_ids", pa.list_(pa.int32())),
-        ("turns", pa.list_(TURN_SCHEMA)),
-        ("env_return", pa.float64()),
-        ("task_return", pa.float64()),
-        ("format_penalty", pa.float64()),
-        ("success", pa.bool_()),
-        ("terminated", pa.bool_()),
-        ("truncated", pa.bool_()),
-        ("format_errors", pa.int32()),
-        ("error", pa.string()),
-        ("reward", pa.float64()),
-        ("reward_details", _KV),
-        ("advantage", pa.float64()),
-        ("timings", _KV),
-    ]
-)
+# Derived from the dataclasses (rollart/arrow_schema.py): a new field is a new column.
+TURN_SCHEMA = arrow_type(Turn)
+TRAJECTORY_SCHEMA = arrow_schema(Trajectory)
 
 
 def trajectories_to_table(trajs: list[Trajectory]) -> pa.Table:

@@ -1,17 +1,25 @@
-"""Prefect tasks: one thin wrapper per iteration stage (logic lives in rollart.stages).
+"""Prefect tasks: one thin wrapper per iteration stage (logic lives in rollart.stages), and the
+runner through which the iteration driver submits them.
 
 Tasks are coarse on purpose: a Prefect task through DaskTaskRunner costs ~0.2-0.3 s, so the
 per-turn traffic stays inside the rollout service (raw Dask actor calls between its threads,
 the engines and the env hosts) and Prefect sees stages.
-Routing to hardware classes is done by the caller with `dask.annotate(resources=...)`.
+Routing to hardware classes is `dask.annotate(resources=...)` at submission (task tags do not
+route): `PrefectStages` annotates each stage with the class `cluster.stages` maps its role to.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import dask
 from prefect import task
 from prefect.cache_policies import NONE
 
 from rollart import stages
+from rollart.config import RunConfig
+from rollart.driver import STAGE_ROLE
 
 _opts = {"cache_policy": NONE, "persist_result": False}
 
@@ -22,3 +30,44 @@ update = task(name="update", **_opts)(stages.update)
 sync_weights = task(name="sync_weights", **_opts)(stages.sync_weights)
 checkpoint = task(name="checkpoint", retries=2, retry_delay_seconds=2, **_opts)(stages.checkpoint)
 evaluate = task(name="evaluate", **_opts)(stages.evaluate)
+load_checkpoint_weights = task(name="load_checkpoint", **_opts)(stages.load_checkpoint_weights)
+
+
+def on_class_worker(stage: str, resource: str, args: tuple[Any, ...]) -> Any:
+    """`cluster.task_runner: threads`: this task runs on a thread of the flow process; the stage
+    itself runs as a raw Dask task on a worker carrying `resource` (its hardware class)."""
+    from distributed import get_client
+
+    fn = getattr(stages, stage)
+    return get_client().submit(fn, *args, resources={resource: 1}, pure=False).result()
+
+
+_threaded = {name: task(name=name, **_opts)(on_class_worker) for name in STAGE_ROLE}
+
+
+class PrefectStages:
+    """The driver's `StageRunner` for a flow: each stage a Prefect task, run on a worker of its
+    hardware class (`cluster.stages`), either shipped there by the DaskTaskRunner or submitted
+    there as a raw Dask task from a thread of the flow (`cluster.task_runner`)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.roles = cfg.cluster.stages
+        self.threads = cfg.cluster.task_runner == "threads"
+
+    def submit(self, stage: str, *args: Any, after: Sequence[Any] = ()) -> Any:
+        resource = self.roles[STAGE_ROLE[stage]]
+        if self.threads:
+            return _threaded[stage].submit(stage, resource, args, wait_for=list(after))
+        with dask.annotate(resources={resource: 1}):
+            return globals()[stage].submit(*args, wait_for=list(after))
+
+
+def task_runner(cfg: RunConfig, address: str) -> Any:
+    """The Prefect task runner `cluster.task_runner` asks for."""
+    if cfg.cluster.task_runner == "threads":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=8)
+    from prefect_dask import DaskTaskRunner
+
+    return DaskTaskRunner(address=address)

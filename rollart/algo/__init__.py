@@ -22,10 +22,12 @@ from rollart.algo.losses import (
     entropy_from_logits,
     get_policy_loss,
     kl_k3,
+    loss_hyperparams,
     masked_mean,
     masked_sum,
     ppo_clip,
     register_loss,
+    select_loss_params,
     token_logprobs,
 )
 
@@ -41,12 +43,14 @@ __all__ = [
     "get_policy_loss",
     "grpo",
     "kl_k3",
+    "loss_hyperparams",
     "masked_mean",
     "masked_sum",
     "ppo_clip",
     "register_advantage",
     "register_loss",
     "rloo",
+    "select_loss_params",
     "token_logprobs",
     "zero_variance_groups",
 ]

@@ -12,11 +12,15 @@ inf/NaN-producing values (e.g. a log-ratio of +100): they are replaced *before* 
 Every registered policy loss has the signature
     fn(logprobs, old_logprobs, advantages, mask, *, loss_agg, is_weights, **hyper)
         -> (loss: scalar Tensor, metrics: dict[str, float])
+where `hyper` are the loss's own keyword-only parameters with their defaults (ppo_clip:
+clip_low, clip_high, dual_clip). The registry records them (`loss_hyperparams`), so the caller
+passes each loss only what it declares (`select_loss_params` picks them out of a config).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,8 @@ from torch import Tensor
 
 LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, LossFn] = {}
+_LOSS_HYPERPARAMS: dict[str, dict[str, object]] = {}  # name -> {parameter: default}
+_COMMON = ("loss_agg", "is_weights")  # passed to every loss by compute_policy_loss
 AGG_MODES = ("seq_mean_token_mean", "token_mean")
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-20 before exp (as verl does) to avoid inf
 
@@ -34,7 +40,13 @@ def register_loss(name: str) -> Callable[[LossFn], LossFn]:
     def deco(fn: LossFn) -> LossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
+        params = {n: p.default for n, p in inspect.signature(fn).parameters.items()
+                  if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        missing = [c for c in _COMMON if c not in params]
+        if missing:  # fail at registration, not at the first update
+            raise TypeError(f"policy loss {name!r} must take keyword-only {missing}")
         POLICY_LOSSES[name] = fn
+        _LOSS_HYPERPARAMS[name] = {n: d for n, d in params.items() if n not in _COMMON}
         return fn
 
     return deco
@@ -44,6 +56,19 @@ def get_policy_loss(name: str) -> LossFn:
     if name not in POLICY_LOSSES:
         raise KeyError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}")
     return POLICY_LOSSES[name]
+
+
+def loss_hyperparams(name: str) -> dict[str, object]:
+    """The hyper-parameters loss `name` declares -> their defaults (inspect.Parameter.empty
+    for a required one)."""
+    get_policy_loss(name)
+    return dict(_LOSS_HYPERPARAMS[name])
+
+
+def select_loss_params(name: str, values: Mapping[str, object]) -> dict[str, object]:
+    """The hyper-parameters of loss `name` that `values` sets (e.g. `AlgoConfig.model_dump()`:
+    a config field named like a loss parameter sets it); the others keep the loss's defaults."""
+    return {k: values[k] for k in loss_hyperparams(name) if k in values}
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,38 +238,32 @@ def compute_policy_loss(
     *,
     loss: str = "ppo_clip",
     loss_agg: str = "seq_mean_token_mean",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
+    loss_params: Mapping[str, object] | None = None,  # the loss's own hyper-parameters
     ref_logprobs: Tensor | None = None,  # [B, T] reference policy, for the KL term
     kl_coef: float = 0.0,
     entropy: Tensor | None = None,  # [B, T] per-token entropy (with grad), see entropy_from_logits
     entropy_coef: float = 0.0,
     is_weights: Tensor | None = None,  # [B, T] detached off-policy weights
-    **loss_kwargs: object,  # extra hyper-parameters for a custom registered loss
 ) -> tuple[Tensor, dict[str, float]]:
     """total = pg_loss + kl_coef * agg(kl_k3(logprobs, ref)) - entropy_coef * agg(entropy).
 
-    All terms use the same `loss_agg` over the same mask. The KL term is added when `ref_logprobs`
-    is given and kl_coef > 0; the entropy bonus when `entropy` is given (both are logged whenever
-    their inputs are given, even with a zero coefficient).
+    `loss_params` go to the loss `loss` and may name only parameters it declares (ValueError
+    otherwise: a typo must not silently train with a default); what they leave out keeps the
+    loss's default. All terms use the same `loss_agg` over the same mask. The KL term is added
+    when `ref_logprobs` is given and kl_coef > 0; the entropy bonus when `entropy` is given (both
+    are logged whenever their inputs are given, even with a zero coefficient).
     Metrics: train/loss, train/pg_loss, train/clip_frac, train/dual_clip_frac, train/ratio_mean,
     train/ratio_max, train/ratio_min, train/approx_kl, and when available train/kl,
     train/entropy.
     """
     pg_fn = get_policy_loss(loss)
-    pg_loss, pg_metrics = pg_fn(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        loss_agg=loss_agg,
-        is_weights=is_weights,
-        **loss_kwargs,
-    )
+    params = dict(loss_params or {})
+    unknown = sorted(set(params) - set(_LOSS_HYPERPARAMS[loss]))
+    if unknown:
+        raise ValueError(f"policy loss {loss!r} has no parameters {unknown}; it takes "
+                         f"{sorted(_LOSS_HYPERPARAMS[loss])}")
+    pg_loss, pg_metrics = pg_fn(logprobs, old_logprobs, advantages, mask, loss_agg=loss_agg,
+                                is_weights=is_weights, **params)
     total = pg_loss
     metrics = {"train/pg_loss": pg_loss.item()}
     metrics.update({f"train/{k}": v for k, v in pg_metrics.items()})

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollart.rewards.handlers import get_handler
+from rollart.rewards.registry import get_handler
 from rollart.types import Trajectory
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollart.rewards.registry import register_handler, response_of
+from rollart.rewards.events import response_of
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 MAX_TESTS = 64
@@ -109,7 +109,6 @@ def _flags(run: dict[str, Any]) -> dict[str, float]:
     }
 
 
-@register_handler("code_exec")
 def code_exec(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """event: {"code" | "response" | "final_response": str, "tests": [{"input","output"}] |
     "test_code": str, "timeout_s": float = 2 (per run), "memory_mb": int = 256,

@@ -10,12 +10,9 @@ import os
 import time
 from typing import Any
 
-from rollart.rewards.registry import register_handler
-
 MAX_SLEEP_S = 900.0  # the Lambda maximum; keeps a typo from parking a worker forever
 
 
-@register_handler("sleep")
 def sleep_reward(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """Sleeps `cost_s` seconds, then returns `reward` (default 1.0). Costs no CPU."""
     cost = min(max(float(event.get("cost_s", 0.1)), 0.0), MAX_SLEEP_S)
@@ -23,13 +20,11 @@ def sleep_reward(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     return {"reward": float(event.get("reward", 1.0)), "cost_s": cost, "pid": float(os.getpid())}
 
 
-@register_handler("raise")
 def raise_error(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """Raises ValueError with `message`: a handler bug as Lambda reports it."""
     raise ValueError(str(event.get("message", "reward handler failed on purpose")))
 
 
-@register_handler("exit")
 def exit_runtime(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """Kills its own process (exit status `code`) mid-invocation: a crashed runtime."""
     os._exit(int(event.get("code", 3)))

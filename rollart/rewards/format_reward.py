@@ -10,12 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rollart.rewards.registry import register_handler, response_of
+from rollart.rewards.events import response_of
 
 DEFAULT_TAGS = ("answer",)
 
 
-@register_handler("format")
 def format_reward(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """event: {"response" | "final_response": str, "tags": [str] (default ["answer"]),
     "pattern": optional full-match regex (default: the tags in order, whitespace between)}"""

@@ -2,9 +2,10 @@
 
 Each handler is a pure function of its event, importable and testable as a plain function; the
 same module is what gets packaged for Lambda (`handler_path(name)` gives the Lambda `Handler`
-string). Events carry only what scoring needs (JSON-safe). The built-ins live in small modules
-that import their heavy dependencies (sympy, torch) lazily, inside the handler, so a worker that
-serves `env_outcome` starts in ~0.1 s:
+string). Events carry only what scoring needs (JSON-safe). Names map to handlers in the static
+table `rollart.rewards.registry.BUILTINS`; handler modules never import the registry. The
+built-ins live in small modules that import their heavy dependencies (sympy, torch) lazily,
+inside the handler, so a worker that serves `env_outcome` starts in ~0.1 s:
 
 | name          | module                              | scores                                    |
 |---------------|-------------------------------------|-------------------------------------------|
@@ -21,24 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Importing the built-in modules registers them; each imports only the registry at load time.
-from rollart.rewards import (  # noqa: F401
-    code_exec,
-    diagnostic,
-    format_reward,
-    math_reward,
-    model_reward,
-)
-from rollart.rewards.registry import (  # noqa: F401  (public names of this module)
-    HANDLERS,
-    Handler,
-    get_handler,
-    handler_path,
-    register_handler,
-)
 
-
-@register_handler("env_outcome")
 def env_outcome(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """Task return plus the format penalty *averaged* over turns.
 
@@ -60,7 +44,6 @@ def env_outcome(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     }
 
 
-@register_handler("success")
 def success_only(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """1.0 for a successful episode, 0.0 otherwise (ignores format penalties)."""
     ok = float(bool(event.get("success", False)))

@@ -10,7 +10,7 @@ import re
 import threading
 from typing import Any
 
-from rollart.rewards.registry import register_handler, response_of
+from rollart.rewards.events import response_of
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -29,7 +29,6 @@ def _timeout_s(event: dict[str, Any]) -> int | None:
     return int(event.get("timeout_s", 5))
 
 
-@register_handler("math")
 def math_answer(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """event: {"response" | "final_response": str (may use \\boxed{} or <answer></answer>),
     "answer" | "ground_truth": str (gold answer, LaTeX or plain), "timeout_s": int = 5}

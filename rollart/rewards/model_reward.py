@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from rollart.rewards.registry import register_handler, response_of
+from rollart.rewards.events import response_of
 
 ENV_DIR = "ROLLART_REWARD_MODEL_DIR"
 MAX_TOKENS = 512
@@ -65,7 +65,6 @@ def byte_ids(text: str) -> list[int]:
     return [1] + [b + 3 for b in text.encode("utf-8")][: MAX_TOKENS - 1]
 
 
-@register_handler("reward_model")
 def reward_model(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """event: {"text" | "response" | "final_response": str, "prompt": str = "",
     "model_dir": str (optional), "seed": int = 0 (built-in model), "label": int = -1}

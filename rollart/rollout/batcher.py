@@ -16,14 +16,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from rollart.handles import call
 from rollart.rollout.scheduler import Start
 from rollart.types import Completion, GenerationRequest
 
-
-def call(handle: Any, method: str, *args: Any) -> Any:
-    """A Dask actor call (returns a future) or a plain method call, uniformly."""
-    out = getattr(handle, method)(*args)
-    return out.result() if hasattr(out, "result") and callable(out.result) else out
+__all__ = ["EngineBatcher", "EpisodeCancelled", "LiveEpisode", "call"]
 
 
 class EpisodeCancelled(Exception):

@@ -16,9 +16,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rollart.config import RunConfig, TaskConfig, config_from_dict
+from rollart.config import TaskConfig
 from rollart.envs import make_env
 from rollart.envs.wrappers import injected_counts
+from rollart.handles import worker_identity
+from rollart.run import RunSpec
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
@@ -65,10 +67,9 @@ class EnvHost:
 class EnvHostService:
     """Dask actor: an EnvHost on a CPU-class worker (async methods, own thread pool)."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        run: RunConfig = config_from_dict(cfg)
-        self.host = EnvHost(run.tasks)
-        self.pool = ThreadPoolExecutor(run.rollout.env_host_threads, thread_name_prefix="env")
+    def __init__(self, run: RunSpec) -> None:
+        self.host = EnvHost(run.cfg.tasks)
+        self.pool = ThreadPoolExecutor(run.cfg.rollout.env_host_threads, thread_name_prefix="env")
 
     async def _run(self, fn, *args):  # noqa: ANN001, ANN202
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -83,6 +84,4 @@ class EnvHostService:
         return await self._run(self.host.close, episode_id)
 
     async def stats(self) -> dict[str, Any]:
-        from rollart.services import worker_identity
-
         return {**self.host.stats(), **worker_identity()}

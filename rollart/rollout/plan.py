@@ -6,6 +6,7 @@ import random
 
 from rollart.config import RunConfig, TaskConfig
 from rollart.rollout.env_manager import EpisodeSpec
+from rollart.rollout.ids import eval_id, group_id, sample_id
 from rollart.rollout.scheduler import split_by_share
 
 
@@ -24,9 +25,9 @@ def plan_iteration(cfg: RunConfig, iteration: int) -> list[EpisodeSpec]:
     for task, n_groups in zip(cfg.tasks, counts, strict=True):
         for g in range(n_groups):
             seed = group_seed(cfg, task, iteration, g)
-            group_id = f"{task.name}/i{iteration}/g{g}"
+            gid = group_id(task.name, iteration, g)
             for m in range(cfg.rollout.group_size):
-                specs.append(EpisodeSpec(task, seed, group_id, f"{group_id}/m{m}", iteration))
+                specs.append(EpisodeSpec(task, seed, gid, sample_id(gid, m), iteration))
     return specs
 
 
@@ -37,6 +38,6 @@ def plan_eval(cfg: RunConfig, episodes: int, tag: str = "eval") -> list[EpisodeS
     for task, n in zip(cfg.tasks, counts, strict=True):
         for i in range(n):
             seed = cfg.seed if task.seeds == "fixed" else task.eval_seed_offset + i
-            name = f"{tag}/{task.name}/{i}"
+            name = eval_id(tag, task.name, i)
             specs.append(EpisodeSpec(task, seed, name, name))
     return specs

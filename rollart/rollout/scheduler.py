@@ -25,6 +25,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollart.rollout.ids import sample_id
+
 
 @dataclass(frozen=True)
 class Start:
@@ -139,6 +141,7 @@ class RolloutScheduler:
                 if self._namer is not None:
                     gid, seed = self._namer(task, n)
                 else:
+                    # no plan (simulator, unit tests): run-wide sequence numbers
                     gid, seed = f"g{self._next_group}", self._next_group
                 self._next_group += 1
                 self._task_counts[task] += 1
@@ -151,7 +154,7 @@ class RolloutScheduler:
         return out
 
     def _launch(self, g: GroupState) -> Start:
-        eid = f"{g.group_id}/m{g.launched}"  # the planned sample id
+        eid = sample_id(g.group_id, g.launched)  # the planned sample id
         g.launched += 1
         g.running.add(eid)
         self.episode_group[eid] = g.group_id

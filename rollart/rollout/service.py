@@ -34,6 +34,7 @@ from rollart.metrics import rollout_metrics
 from rollart.models.chat import ChatFormat
 from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode, call
 from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
+from rollart.rollout.ids import group_id
 from rollart.rollout.plan import group_seed
 from rollart.rollout.scheduler import (
     Cancel,
@@ -65,7 +66,7 @@ def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
     def name(task: str, n: int) -> tuple[str, int]:
         cfg_task, quota = tasks[task]
         iteration, g = divmod(n, quota)
-        return f"{task}/i{iteration}/g{g}", group_seed(cfg, cfg_task, iteration, g)
+        return group_id(task, iteration, g), group_seed(cfg, cfg_task, iteration, g)
 
     return name
 
@@ -137,6 +138,7 @@ class RolloutService:
         self.live: dict[str, LiveEpisode] = {}
         self.done: dict[str, Trajectory] = {}
         self.totals = _Totals()
+        self._failed_reported = 0  # `failed` counter as of the last batch's metrics
         self.lock = threading.Condition()
         self.fatal: BaseException | None = None
         self.recent_errors: deque[str] = deque(maxlen=20)  # for the run's logs and stats
@@ -374,10 +376,15 @@ class RolloutService:
     def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
         m = rollout_metrics(trajs)
         c = self.totals.counters + self.sched.counters
-        for key in ("failed", "timeouts", "retried", "cancelled_redundant", "cancelled_stale",
+        for key in ("timeouts", "retried", "cancelled_redundant", "cancelled_stale",
                     "cancelled_group_dropped", "groups_dropped_failures", "dropped_stale_groups",
                     "hosts_lost", "late_results"):
             m[f"rollout/{key}"] = float(c[key])
+        # A failed episode is re-issued, never batched, so the batch itself holds none: per batch
+        # is the failures since the previous batch; the run's count is `failed_total`.
+        m["rollout/failed"] = float(c["failed"] - self._failed_reported)
+        m["rollout/failed_total"] = float(c["failed"])
+        self._failed_reported = c["failed"]
         stale = c["cancelled_stale"] + c["dropped_stale_episodes"]
         m["rollout/dropped_stale_episodes"] = float(stale)
         m["rollout/in_flight"] = float(len(self.live))

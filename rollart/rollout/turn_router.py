@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from rollart.config import RunConfig
 from rollart.routing.router import RouteRequest
-from rollart.routing.setup import build_router, task_profiles
+from rollart.routing.setup import build_router, engine_replica_id, task_profiles
 from rollart.types import GenerationRequest, Trajectory
 
 
@@ -39,13 +39,13 @@ class TurnRouter:
                 decode_tokens=self.profiles.expected_decode_tokens(
                     task, prior=req.params.max_new_tokens)))
             self.placed[(task, d.hw_class)] += 1
-        return int(d.replica_id.rsplit("-", 1)[1])  # "engine-{i}"
+        return d.replica_index  # engine_replicas lists the replicas in engine order
 
     def served(self, engine: int, request_ids: list[str], busy_s: float) -> None:
         if self.router is None:
             return
         with self.lock:
-            self.router.on_batch(f"engine-{engine}", request_ids, busy_s)
+            self.router.on_batch(engine_replica_id(engine), request_ids, busy_s)
             for rid in request_ids:
                 self.router.on_finished(rid)
 

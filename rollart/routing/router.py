@@ -160,6 +160,7 @@ class RouteRequest:
 class Decision:
     request_id: str
     replica_id: str
+    replica_index: int  # position of the replica in the list the router was built with
     hw_class: str
     reason: Literal["new", "sticky", "spill", "failover"]
     est_service_s: float
@@ -206,6 +207,7 @@ class Router:
         self._raw: dict[str, tuple[float, float]] = {}  # outstanding id -> tokens (on_batch)
         self._replicas: dict[str, _Replica] = {r.replica_id: _Replica(r) for r in replicas}
         self._order = ids  # round-robin rotation order
+        self._index = {rid: i for i, rid in enumerate(ids)}
         self._rr = 0
         self._home: dict[str, str] = {}  # episode id -> replica that served its last turn
         self._where: dict[str, str] = {}  # outstanding request id -> replica id
@@ -297,8 +299,8 @@ class Router:
         self._home[req.episode_id] = choice
         self._counts[reason] += 1
         self._routed[choice] += 1
-        return Decision(req.request_id, choice, self._replicas[choice].spec.hw.name, reason, est,
-                        wait)
+        return Decision(req.request_id, choice, self._index[choice],
+                        self._replicas[choice].spec.hw.name, reason, est, wait)
 
     def on_started(self, replica_id: str, request_ids: list[str]) -> None:
         """An engine batch with `request_ids` started on `replica_id` (optional: without it every

@@ -3,6 +3,7 @@ rollart.config imports the catalog from this package)."""
 
 from __future__ import annotations
 
+from rollart.cluster_classes import DEFAULT_STAGES
 from rollart.config import RunConfig
 from rollart.routing.catalog import Slowdown, emulation_slowdowns
 from rollart.routing.emulation import ServiceModel
@@ -10,12 +11,20 @@ from rollart.routing.profile import TaskProfiles
 from rollart.routing.router import CostModel, ReplicaSpec, Router
 
 
+def engine_replica_id(index: int) -> str:
+    """The router's id of engine replica `index` (also the key of its `router/...` metrics).
+    Callers never parse it back: a routing decision carries the index (`Decision.replica_index`)."""
+    return f"engine-{index}"
+
+
 def engine_replicas(cfg: RunConfig) -> list[ReplicaSpec]:
-    """One spec per engine replica, ids `engine-{i}` in replica order (the order the rollout
-    service creates its engine actors in). A class missing from the catalog (single-pool configs
-    may name any class) falls back to the H20 figures: with one pool nothing is chosen by them."""
+    """One spec per engine replica, in replica order (the order the rollout service creates its
+    engine actors in), so a decision's `replica_index` is the engine's index. A class missing
+    from the catalog (single-pool configs may name any class) falls back to the default engine
+    class's figures: with one pool nothing is chosen by them."""
     classes = cfg.cluster.engine_classes(cfg.engine.replicas)
-    return [ReplicaSpec(f"engine-{i}", cfg.hardware.get(c) or cfg.hardware["H20"])
+    fallback = cfg.hardware[DEFAULT_STAGES["engine"]]
+    return [ReplicaSpec(engine_replica_id(i), cfg.hardware.get(c) or fallback)
             for i, c in enumerate(classes)]
 
 
@@ -56,7 +65,7 @@ def emulation_factors(cfg: RunConfig) -> dict[str, Slowdown | ServiceModel]:
         return {}
     classes = sorted(set(cfg.cluster.engine_classes(cfg.engine.replicas)))
     if em.mode == "modelled":
-        hw = {c: cfg.hardware.get(c) or cfg.hardware["H20"] for c in classes}
+        hw = {c: cfg.hardware.get(c) or cfg.hardware[DEFAULT_STAGES["engine"]] for c in classes}
         return {c: ServiceModel(hw[c], em.model_params, em.bytes_per_param, em.time_scale,
                                 em.forward) for c in classes}
     out: dict[str, Slowdown | ServiceModel] = dict(

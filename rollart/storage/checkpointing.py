@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from rollart.config import RunConfig, dump_config
+from rollart.rollout.ids import group_of_sample
 from rollart.rollout.plan import plan_iteration
 from rollart.storage.background import BackgroundWriter
 from rollart.storage.ledger import LedgerAudit, SampleLedger
@@ -57,8 +58,7 @@ def audit_ledger(ledger: SampleLedger, cfg: RunConfig, next_iteration: int) -> L
     if exact and not any(reason in ("env_error", "timeout", "host_lost")
                          for *_, reason in ledger.records):
         return audit
-    group = lambda sid: sid.rsplit("/m", 1)[0]  # noqa: E731
-    seen = {group(x) for x in ledger.ids()}
+    seen = {group_of_sample(x) for x in ledger.ids()}
     settled = planned_groups(cfg, 0, next_iteration - r.max_staleness)
     allowed = planned_groups(cfg, 0, next_iteration + r.max_staleness + 1)
     audit.missing = sorted(settled - seen)

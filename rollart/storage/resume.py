@@ -23,9 +23,15 @@ from typing import Any
 
 import yaml
 
-from rollart.config import ConfigError, RunConfig, apply_overrides, config_from_dict
+from rollart.config import (
+    ConfigError,
+    RunConfig,
+    StorageConfig,
+    apply_overrides,
+    config_from_dict,
+)
 from rollart.storage.ledger import SampleLedger
-from rollart.storage.store import RunStore
+from rollart.storage.store import RunStore, checkpoint_rel, shard_rel
 from rollart.storage.weights import delete_weights_after
 
 PLAN_KEYS = ("seed", "rollout", "tasks", "model")
@@ -51,16 +57,35 @@ class ResumePoint:
         return asdict(self)
 
 
+def _stored(store: RunStore) -> dict[str, Any]:
+    if not store.exists("config.yaml"):
+        raise ResumeError(f"no run {store.run_id!r} under {store.url} (no config.yaml; check "
+                          "storage.root and the run id)")
+    return yaml.safe_load(store.read_text("config.yaml")) or {}
+
+
+def _located(data: dict[str, Any], location: StorageConfig) -> dict[str, Any]:
+    """`data` with where the store is and how it is reached taken from `location`."""
+    return {**data, "storage": {**data.get("storage", {}),
+                                **{k: getattr(location, k) for k in LOCATION_KEYS}}}
+
+
+def stored_run_config(location: StorageConfig, run_id: str,
+                      overrides: list[str] | None = None) -> RunConfig:
+    """The stored config of run `run_id` with `overrides` on top, found through `location`
+    (evaluation of a finished run; a resume uses `resume_config`, which also guards the plan).
+    """
+    data = _stored(RunStore.from_config(location, run_id))
+    return config_from_dict(_located(apply_overrides(data, list(overrides or [])), location))
+
+
 def resume_config(current: RunConfig, overrides: list[str], store: RunStore) -> RunConfig:
     """The config a resumed run uses (see the module docstring)."""
-    if not store.exists("config.yaml"):
-        raise ResumeError(f"cannot resume {store.run_id!r}: no run under {store.url} "
-                          "(check storage.root and the run id)")
-    stored = yaml.safe_load(store.read_text("config.yaml")) or {}
-    merged = apply_overrides(copy.deepcopy(stored), list(overrides))
-    merged.setdefault("storage", {})
-    for key in LOCATION_KEYS:
-        merged["storage"][key] = getattr(current.storage, key)
+    try:
+        stored = _stored(store)
+    except ResumeError as err:
+        raise ResumeError(f"cannot resume {store.run_id!r}: {err}") from None
+    merged = _located(apply_overrides(copy.deepcopy(stored), list(overrides)), current.storage)
     try:
         cfg = config_from_dict(merged)
     except ConfigError as err:
@@ -109,13 +134,13 @@ def rollback(store: RunStore, step: int, next_iteration: int, version: int,
     dest = f"abandoned/attempt-{attempt - 1}"
     torn = [s for s in store.checkpoint_steps() if s > step]
     for s in torn:
-        store.delete(f"checkpoints/{s:08d}")
+        store.delete(checkpoint_rel(s))
     shard_steps = [s for s in store.shard_steps() if s >= next_iteration]
     for s in shard_steps:
-        for name in store.listdir(f"trajectories/{s:08d}"):
-            src = f"trajectories/{s:08d}/{name}"
+        for name in store.listdir(shard_rel(s)):
+            src = f"{shard_rel(s)}/{name}"
             store.write_bytes(f"{dest}/{src}", store.read_bytes(src))
-        store.delete(f"trajectories/{s:08d}")
+        store.delete(shard_rel(s))
     rows = store.read_jsonl("metrics.jsonl")
     keep = [r for r in rows if int(r.get("iteration", -1)) < next_iteration]
     dropped_rows = [r for r in rows if int(r.get("iteration", -1)) >= next_iteration]

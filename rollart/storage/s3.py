@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import importlib
 import json
 import logging
 import random
@@ -112,22 +111,31 @@ def _one_line(err: BaseException) -> str:
 
 
 # ---- credentials and options ----------------------------------------------------------------
-# Resolvers for `storage.credentials_block` (block name -> secret value), registered by the
-# orchestration layer (`blocks/secrets.py` registers Prefect's Secret block), so the core library
-# itself never imports Prefect.
-CREDENTIAL_RESOLVERS: list[Callable[[str], Any]] = []
+# `storage.credentials_block` names a secret (block name -> secret value); the orchestration
+# layer installs the resolver that reads it, explicitly, in each process that opens the store
+# (the flows install Prefect's Secret block in the flow process and, through a worker plugin,
+# on every Dask worker), so the core library never imports Prefect.
+CredentialsResolver = Callable[[str], Any]
+_resolver: CredentialsResolver | None = None
+
+
+def install_credentials_resolver(resolver: CredentialsResolver | None) -> None:
+    """Make `resolver(name)` the source of `storage.credentials_block` secrets in this process
+    (None removes it)."""
+    global _resolver
+    _resolver = resolver
+    _block_credentials.cache_clear()
 
 
 @functools.lru_cache(maxsize=16)
 def _block_credentials(name: str) -> tuple[str, str, str | None]:
     """Read a secret credentials block (only runs when `storage.credentials_block` is set)."""
-    if not CREDENTIAL_RESOLVERS:
-        try:
-            importlib.import_module("blocks.secrets")  # registers the Prefect resolver
-        except ImportError as err:
-            raise StorageError("storage.credentials_block needs the blocks package (Prefect)") \
-                from err
-    value = CREDENTIAL_RESOLVERS[-1](name)
+    if _resolver is None:
+        raise StorageError(
+            f"storage.credentials_block={name!r} needs a credentials resolver in this process: "
+            "the Prefect flows install one (blocks.secrets); elsewhere call "
+            "rollart.storage.s3.install_credentials_resolver(fn)")
+    value = _resolver(name)
     if isinstance(value, str):
         try:
             value = json.loads(value)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -45,10 +44,20 @@ CHUNK = 8 * 2**20  # multipart part size / ranged-read size for large objects
 SLOW_CHECKPOINT_ENV = "ROLLART_FAULT_SLOW_CHECKPOINT"
 T = TypeVar("T")
 
-# Options registered per root by `RunStore.from_config` in this process, so a later plain
-# `RunStore(root, run_id)` (tokenizer loads, analysis helpers) reaches the same endpoint.
-_registered: dict[str, tuple[dict[str, Any], float]] = {}
-_registered_lock = threading.Lock()
+
+def checkpoint_rel(step: int) -> str:
+    """A checkpoint's directory, relative to the run."""
+    return f"checkpoints/{step:08d}"
+
+
+def shard_rel(step: int) -> str:
+    """The trajectory shards of iteration `step`, relative to the run."""
+    return f"trajectories/{step:08d}"
+
+
+def eval_rel(step: int) -> str:
+    """The evaluation results of checkpoint `step`, relative to the run."""
+    return f"eval/{step:08d}.json"
 
 
 def crc32(data: bytes) -> int:
@@ -56,16 +65,14 @@ def crc32(data: bytes) -> int:
 
 
 class RunStore:
-    """Paths and atomic-enough writes for one run, rooted at `root` (path or fsspec URL)."""
+    """Paths and atomic-enough writes for one run, rooted at `root` (path or fsspec URL).
+    `storage_options` reach an object store (endpoint, credentials): `from_config` builds them
+    from the storage config; without them fsspec's defaults apply (environment credentials)."""
 
     def __init__(self, root: str, run_id: str, storage_options: dict[str, Any] | None = None,
                  retry_timeout_s: float | None = None):
         self.root = root.rstrip("/")
         self.run_id = run_id
-        registered = _registered.get(self.root)
-        if storage_options is None and registered is not None:
-            storage_options, timeout = registered
-            retry_timeout_s = retry_timeout_s or timeout
         self.retry_timeout_s = retry_timeout_s or 120.0
         self.fs, base = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
         proto = self.fs.protocol
@@ -78,10 +85,7 @@ class RunStore:
     @classmethod
     def from_config(cls, cfg: StorageConfig, run_id: str) -> RunStore:
         """The run's store as configured (endpoint, region, credentials, retry budget)."""
-        opts = storage_options(cfg)
-        with _registered_lock:
-            _registered[cfg.root.rstrip("/")] = (opts, cfg.retry_timeout_s)
-        return cls(cfg.root, run_id, opts, cfg.retry_timeout_s)
+        return cls(cfg.root, run_id, storage_options(cfg), cfg.retry_timeout_s)
 
     # ---- paths -----------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -97,7 +101,7 @@ class RunStore:
         return full if self.local else f"{self.protocol}://{full}"
 
     def checkpoint_dir(self, step: int) -> str:
-        return self.uri("checkpoints", f"{step:08d}")
+        return self.uri(checkpoint_rel(step))
 
     def _io(self, what: str, fn: Callable[[], T]) -> T:
         return retrying(fn, f"{what} ({self.url})", timeout_s=self.retry_timeout_s)
@@ -230,7 +234,7 @@ class RunStore:
     def write_shard(self, step: int, trajs: list[Trajectory], part: int = 0) -> str:
         buf = io.BytesIO()
         pq.write_table(trajectories_to_table(trajs), buf)
-        rel = f"trajectories/{step:08d}/part-{part:05d}.parquet"
+        rel = f"{shard_rel(step)}/part-{part:05d}.parquet"
         self.write_bytes(rel, buf.getvalue())
         return self.path(rel)
 
@@ -242,9 +246,9 @@ class RunStore:
         steps = [step] if step is not None else self.shard_steps()
         tables = []
         for s in steps:
-            for name in self.listdir(f"trajectories/{s:08d}"):
+            for name in self.listdir(shard_rel(s)):
                 if name.endswith(".parquet"):
-                    data = self.read_bytes(f"trajectories/{s:08d}/{name}")
+                    data = self.read_bytes(f"{shard_rel(s)}/{name}")
                     tables.append(pq.read_table(io.BytesIO(data)))
         if not tables:
             from rollart.types import TRAJECTORY_SCHEMA
@@ -258,7 +262,7 @@ class RunStore:
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> str:
         """Write every file, then the manifest last. Returns the checkpoint directory."""
-        rel = f"checkpoints/{step:08d}"
+        rel = checkpoint_rel(step)
         t0 = time.perf_counter()
         if self.exists(f"{rel}/{MANIFEST}"):  # rewriting a step: it stops existing first
             self.delete(f"{rel}/{MANIFEST}")
@@ -312,16 +316,16 @@ class RunStore:
     def list_checkpoints(self) -> list[int]:
         """Steps of complete checkpoints (manifest present and every listed file full-size)."""
         return [s for s in self.checkpoint_steps()
-                if self._complete(f"checkpoints/{s:08d}") is not None]
+                if self._complete(checkpoint_rel(s)) is not None]
 
     def latest_checkpoint(self) -> int | None:
         for s in reversed(self.checkpoint_steps()):
-            if self._complete(f"checkpoints/{s:08d}") is not None:
+            if self._complete(checkpoint_rel(s)) is not None:
                 return s
         return None
 
     def read_manifest(self, step: int) -> dict[str, Any]:
-        manifest = self._manifest(f"checkpoints/{step:08d}")
+        manifest = self._manifest(checkpoint_rel(step))
         if manifest is None:
             raise FileNotFoundError(f"checkpoint {step} of run {self.run_id} has no manifest")
         return manifest
@@ -330,7 +334,7 @@ class RunStore:
                         ) -> tuple[dict[str, bytes], dict[str, Any]]:
         """Files of a complete checkpoint (all, or `only` these names), verified against the
         manifest's sizes and CRC32s."""
-        rel = f"checkpoints/{step:08d}"
+        rel = checkpoint_rel(step)
         manifest = self.read_manifest(step)
         names = [n for n in manifest["files"] if only is None or n in set(only)]
         raw = self.read_many([f"{rel}/{n}" for n in names])
@@ -354,7 +358,7 @@ class RunStore:
         removed = []
         for step in self.checkpoint_steps():
             if step not in keep and step < newest:
-                self.delete(f"checkpoints/{step:08d}")
+                self.delete(checkpoint_rel(step))
                 removed.append(step)
         return removed
 

@@ -24,6 +24,7 @@ from rollart.algo import (
     entropy_from_logits,
     kl_k3,
     masked_mean,
+    select_loss_params,
     token_logprobs,
 )
 from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
@@ -78,6 +79,8 @@ class Trainer:
                  temperature: float = 1.0, pad_id: int = 0) -> None:
         self.model = model.train()
         self.algo, self.cfg = algo, train
+        # The loss's own hyper-parameters, from the algo config fields named like them.
+        self.loss_params = select_loss_params(algo.loss, algo.model_dump())
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_id = pad_id
         self.optimizer = torch.optim.AdamW(
@@ -142,8 +145,7 @@ class Trainer:
                 ent = entropy_from_logits(logits) if algo.entropy_coef > 0 else None
                 loss, m = compute_policy_loss(
                     logp, prox[sl], mb.advantages, mb.loss_mask,
-                    loss=algo.loss, loss_agg=algo.loss_agg,
-                    clip_low=algo.clip_low, clip_high=algo.clip_high,
+                    loss=algo.loss, loss_agg=algo.loss_agg, loss_params=self.loss_params,
                     ref_logprobs=ref[sl] if ref is not None else None, kl_coef=algo.kl_coef,
                     entropy=ent, entropy_coef=algo.entropy_coef,
                     is_weights=is_w[sl] if is_w is not None else None,
@@ -164,7 +166,9 @@ class Trainer:
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/sequences"] = float(len(batch))
         metrics["train/tokens"] = n_tok
-        metrics["train/update_s"] = time.perf_counter() - t0
+        metrics["train/update_s"] = dt = time.perf_counter() - t0
+        # every real (non-pad) token goes through the forward passes, model tokens or not
+        metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) / max(dt, 1e-9)
         self.version += 1
         self.step += 1
         return metrics

@@ -41,7 +41,8 @@ def test_injected_step_errors_and_a_hang_cost_only_their_episodes(prefect_api, t
     # Every failure is re-issued, except one that spends a group's retry budget (rare here).
     assert (counters["retried"] + counters.get("groups_dropped_failures", 0)
             == counters["failed"] + counters["timeouts"]), counters
-    assert rows[-1]["rollout/failed"] == counters["failed"]
+    assert rows[-1]["rollout/failed_total"] == counters["failed"]
+    assert sum(r["rollout/failed"] for r in rows) == counters["failed"]  # per iteration
     assert rows[-1]["rollout/timeouts"] == 1
     # The hang cost its own episode's timeout, not the run: it never waited out hang_s per call.
     assert time.monotonic() - t0 < 120

@@ -69,8 +69,9 @@ def test_shards_checkpoints_and_weights_round_trip(aws_env):
     publish_weights(store, 5, b"weights-v5")
     assert latest_weights_version(store) == 5
     assert load_weights_bytes(store, 5)[0] == b"weights-v5"
-    # A second process-less reader: a plain RunStore(root) reuses the registered options.
-    assert RunStore(store.root, "run1").read_shards(3)[0].sample_id == "s0"
+    # A second reader opened from the same config reaches the same objects (no process-global
+    # options: a plain RunStore(root) would use fsspec's defaults).
+    assert RunStore.from_config(_cfg(aws_env, "rt"), "run1").read_shards(3)[0].sample_id == "s0"
 
 
 def test_server_restart_mid_run_is_retried(aws_env):
@@ -124,12 +125,19 @@ def test_missing_bucket_and_unreachable_endpoint(aws_env):
 def test_credentials_from_a_prefect_secret_block(aws_env, prefect_api, monkeypatch):
     from prefect.blocks.system import Secret
 
+    from blocks.secrets import install_credentials_resolver
+    from rollart.storage import s3
+
     Secret(value={"aws_access_key_id": KEY, "aws_secret_access_key": SECRET}).save(
         "rollart-s3-test", overwrite=True)
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     cfg = _cfg(aws_env, "block", credentials_block="rollart-s3-test")
     assert "secret" not in cfg.model_dump_json().lower().replace("credentials_block", "")
+    s3.install_credentials_resolver(None)  # nothing installed: a clear error, not a guess
+    with pytest.raises(StorageError, match="needs a credentials resolver"):
+        check_storage(cfg)
+    install_credentials_resolver()  # what the flows do, in their process and on each worker
     check_storage(cfg)
     RunStore.from_config(cfg, "r").write_text("via-block", "1")
     with pytest.raises(StorageError, match="no-such-block"):

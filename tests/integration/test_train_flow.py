@@ -17,7 +17,7 @@ def test_flow_two_iterations_on_hardware_class_workers(prefect_api, tmp_path):
     from flows.train import train
     from rollart.config import load_config
     from rollart.models.policy import build_tiny_model
-    from rollart.services import load_run_tokenizer
+    from rollart.models.run_model import load_run_tokenizer
     from rollart.storage.store import RunStore
 
     overrides = [
@@ -35,7 +35,7 @@ def test_flow_two_iterations_on_hardware_class_workers(prefect_api, tmp_path):
 
     # Parameters changed: checkpoint weights differ from the seeded initial weights.
     cfg = load_config("configs/default.yaml", overrides)
-    init = build_tiny_model(cfg.model.tiny, load_run_tokenizer(str(tmp_path), "itest"), cfg.seed)
+    init = build_tiny_model(cfg.model.tiny, load_run_tokenizer(store), cfg.seed)
     saved = safetensors.torch.load(store.read_bytes("checkpoints/00000002/model.safetensors"))
     changed = [k for k, v in saved.items() if not torch.equal(v, init.state_dict()[k])]
     assert changed, "no parameter changed after two updates"

@@ -14,9 +14,12 @@ from rollart.algo import (
     entropy_from_logits,
     get_policy_loss,
     kl_k3,
+    loss_hyperparams,
     masked_mean,
     masked_sum,
     ppo_clip,
+    register_loss,
+    select_loss_params,
     token_logprobs,
 )
 
@@ -264,3 +267,61 @@ def test_loss_registry():
     assert get_policy_loss("ppo_clip") is ppo_clip and "ppo_clip" in POLICY_LOSSES
     with pytest.raises(KeyError, match="ppo_clip"):
         get_policy_loss("grpo_loss")
+
+
+def test_dual_clip_set_from_the_algo_config_reaches_the_loss():
+    from rollart.config import ConfigError, load_config
+    from rollart.train.trainer import Trainer
+
+    cfg = load_config("configs/default.yaml", ["algo.dual_clip=3.0", "algo.clip_high=0.28"])
+    trainer = Trainer(torch.nn.Linear(1, 1), cfg.algo, cfg.train)
+    assert trainer.loss_params == {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
+    # Two sequences of one token each, seq_mean_token_mean:
+    #   A = -1, ratio 5:   standard max(5, 1.2) = 5, dual clip caps it at -A * 3 = 3 (no grad)
+    #   A = +1, ratio 1.1: inside [0.8, 1.28] -> -1.1
+    # loss = (3 - 1.1) / 2 = 0.95; without the dual clip (5 - 1.1) / 2 = 1.95.
+    old = torch.tensor([[-1.0], [-1.0]])
+    logp = (old + torch.tensor([[math.log(5.0)], [math.log(1.1)]])).requires_grad_(True)
+    adv, mask = torch.tensor([-1.0, 1.0]), torch.ones(2, 1)
+    total, m = compute_policy_loss(logp, old, adv, mask, loss_params=trainer.loss_params)
+    assert total.item() == pytest.approx(0.95, rel=1e-6)
+    assert m["train/dual_clip_frac"] == 0.5 and m["train/clip_frac"] == 0.0
+    total.backward()
+    assert logp.grad[0, 0].item() == 0.0  # capped: constant in logp
+    assert logp.grad[1, 0].item() == pytest.approx(-1.1 / 2, rel=1e-5)  # -A * ratio / 2 seqs
+    plain = Trainer(torch.nn.Linear(1, 1), load_config("configs/default.yaml").algo, cfg.train)
+    assert plain.loss_params["dual_clip"] is None
+    total, m = compute_policy_loss(logp, old, adv, mask, loss_params=plain.loss_params)
+    assert total.item() == pytest.approx(1.95, rel=1e-6) and m["train/dual_clip_frac"] == 0.0
+    with pytest.raises(ConfigError, match="dual_clip"):
+        load_config("configs/default.yaml", ["algo.dual_clip=1.0"])
+
+
+def test_each_loss_gets_only_the_parameters_it_declares():
+    assert loss_hyperparams("ppo_clip") == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None}
+    name = "test_scaled_pg"
+    try:
+        @register_loss(name)
+        def scaled_pg(logprobs, old_logprobs, advantages, mask, *, loss_agg, is_weights=None,
+                      scale: float = 2.0):
+            return aggregate(-advantages.unsqueeze(-1) * logprobs * scale, mask, loss_agg), {}
+
+        # the algo config's PPO fields are not forced on it; only what it declares is picked
+        assert select_loss_params(name, {"clip_low": 0.1, "dual_clip": 3.0, "scale": 0.5}) \
+            == {"scale": 0.5}
+        logp, mask = torch.tensor([[-2.0]]), torch.ones(1, 1)
+        total, _ = compute_policy_loss(logp, logp, torch.tensor([1.0]), mask, loss=name)
+        assert total.item() == pytest.approx(4.0)  # -1 * -2 * default scale 2
+        total, _ = compute_policy_loss(logp, logp, torch.tensor([1.0]), mask, loss=name,
+                                       loss_params={"scale": 0.5})
+        assert total.item() == pytest.approx(1.0)
+        with pytest.raises(ValueError, match=r"has no parameters \['clip_low'\]"):
+            compute_policy_loss(logp, logp, torch.tensor([1.0]), mask, loss=name,
+                                loss_params={"clip_low": 0.2})
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss(name)(scaled_pg)
+    finally:
+        POLICY_LOSSES.pop(name, None)
+    with pytest.raises(TypeError, match="keyword-only"):
+        register_loss("test_no_agg")(lambda logprobs, old, adv, mask: (logprobs.sum(), {}))
+    assert "test_no_agg" not in POLICY_LOSSES

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -11,9 +13,17 @@ import pytest
 
 from rollart.rewards.code_exec import code_exec, extract_code
 from rollart.rewards.format_reward import format_reward
-from rollart.rewards.handlers import HANDLERS, get_handler, handler_path
 from rollart.rewards.math_reward import math_answer
 from rollart.rewards.model_reward import reward_model, tiny_classifier
+from rollart.rewards.registry import (
+    _REGISTERED,
+    BUILTINS,
+    HANDLERS,
+    get_handler,
+    handler_path,
+    known_handler,
+    register_handler,
+)
 
 ADD = [{"input": "1 2", "output": "3"}, {"input": "5 7", "output": "12"}]
 
@@ -26,6 +36,42 @@ def test_registry_names_and_lambda_handler_paths():
     assert get_handler("rollart.rewards.format_reward.format_reward") is format_reward
     with pytest.raises(KeyError, match="known"):
         get_handler("no_such_reward")
+
+
+def test_builtin_table_names_the_functions_it_resolves_to():
+    assert set(BUILTINS) <= set(HANDLERS)
+    for name, path in BUILTINS.items():
+        fn = get_handler(name)
+        assert f"{fn.__module__}.{fn.__name__}" == path == handler_path(name)
+
+
+def test_duplicate_reward_names_raise_like_the_loss_registry():
+    with pytest.raises(ValueError, match="'env_outcome' is already registered"):
+        register_handler("env_outcome")(lambda event, context=None: {"reward": 0.0})
+    name = f"custom_{uuid.uuid4().hex[:8]}"
+    try:
+        fn = register_handler(name)(lambda event, context=None: {"reward": 2.0})
+        assert get_handler(name) is fn and name in HANDLERS and known_handler(name)
+        with pytest.raises(ValueError, match="already registered"):
+            register_handler(name)(lambda event, context=None: {"reward": 3.0})
+        assert get_handler(name)({})["reward"] == 2.0  # the first one stays
+    finally:
+        _REGISTERED.pop(name, None)
+
+
+def test_a_lambda_worker_imports_only_its_handler_module():
+    """awslambdaric imports the `Handler` module; resolving a name imports only its module."""
+    heavy = ["torch", "sympy", "math_verify", "transformers", "rollart.rewards.math_reward",
+             "rollart.rewards.model_reward", "rollart.rewards.code_exec"]
+    code = ("import sys; import rollart.rewards.handlers as h; "
+            "lambda_path = 'rollart.rewards.registry' in sys.modules; "
+            "from rollart.rewards.registry import get_handler, handler_path; "
+            "assert get_handler('env_outcome') is h.env_outcome; "
+            "assert handler_path('math') == 'rollart.rewards.math_reward.math_answer'; "
+            f"print(lambda_path, [m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=60, check=True)
+    assert out.stdout.split() == ["False", "[]"], out.stdout + out.stderr
 
 
 def test_format_reward_is_graded():

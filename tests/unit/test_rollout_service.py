@@ -52,7 +52,7 @@ def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, o
     svc = _service(policy, *overrides)
     alpha = svc.cfg.rollout.max_staleness
     svc.start()
-    consumed, dropped = [], []
+    consumed, dropped, failed_per_batch = [], [], []
     try:
         for update in range(4):
             trajs, info = svc.take_batch(update, timeout=60)
@@ -69,12 +69,14 @@ def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, o
             consumed += [t.sample_id for t in trajs]
             dropped += [d[0] for d in info["dropped"]]
             m = info["metrics"]
+            failed_per_batch.append(m["rollout/failed"])
     finally:
         stats = svc.stop()
     c = stats["counters"]
     assert len(set(consumed)) == len(consumed) == 48
     assert not set(consumed) & set(dropped) and len(set(dropped)) == len(dropped)
-    assert m["rollout/failed"] == c.get("failed", 0) >= 1  # ~10 % of the slow task's steps
+    assert m["rollout/failed_total"] == c.get("failed", 0) >= 1  # ~10 % of the slow task's steps
+    assert sum(failed_per_batch) == m["rollout/failed_total"]  # per batch adds up to the total
     failures = c.get("failed", 0) + c.get("timeouts", 0)
     if svc.cfg.rollout.redundancy:  # a spare still running makes a re-issue unnecessary
         assert c["cancelled_redundant"] >= 1
@@ -82,6 +84,17 @@ def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, o
     else:  # every failure is re-issued, except the one that spends a group's retry budget
         assert c["retried"] + c.get("groups_dropped_failures", 0) == failures, c
         assert c.get("dropped_stale_groups", 0) == 0 and c.get("cancelled_stale", 0) == 0
+
+
+def test_failed_is_per_batch_and_failed_total_cumulative(policy):
+    svc = _service(policy)  # not started: the counters are set by hand
+    svc.sched.counters["failed"] += 2
+    first = svc._metrics([])
+    svc.sched.counters["failed"] += 1
+    second = svc._metrics([])
+    third = svc._metrics([])
+    assert [(x["rollout/failed"], x["rollout/failed_total"]) for x in (first, second, third)] \
+        == [(2.0, 2.0), (1.0, 3.0), (0.0, 3.0)]
 
 
 def test_an_env_that_always_fails_ends_the_run_with_its_error(policy):

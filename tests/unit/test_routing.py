@@ -391,3 +391,33 @@ def test_affinity_batches_like_with_like():
     assert r._finish_s(new, "h20") == pytest.approx(129.95e-3, rel=1e-4)
     d = r.route(new)
     assert (d.replica_id, d.est_wait_s) == ("h20", pytest.approx(65.730e-3, rel=1e-4))
+
+
+def test_decision_carries_the_replica_index():
+    r = hetero()
+    assert r.route(req("p", "e1", **PREFILL_HEAVY)).replica_index == 0  # h800, listed first
+    d = r.route(req("d", "e2", **DECODE_HEAVY))
+    assert (d.replica_id, d.replica_index) == ("h20", 1)
+
+
+def test_turn_router_returns_engine_indices_and_reports_batches_by_index():
+    from rollart.rollout.turn_router import TurnRouter
+    from rollart.routing.setup import engine_replica_id
+    from rollart.types import GenerationRequest, SamplingParams
+
+    cfg = load_config("configs/default.yaml", ["cluster.engine_pools={H800: 1, H20: 2}"])
+    assert [engine_replica_id(i) for i in range(3)] == ["engine-0", "engine-1", "engine-2"]
+    tr = TurnRouter(cfg, param_count=lambda: 1e9, dynamic=True)
+    decode_heavy = SamplingParams(max_new_tokens=1000)
+    # 10 new prompt tokens, ~1000 decode tokens: the H20s (engines 1 and 2); the second episode
+    # goes to the idle H20 rather than queueing behind the first.
+    first = tr.route("e1", "x", GenerationRequest("r1", [0] * 10, decode_heavy), 10, default=0)
+    second = tr.route("e2", "x", GenerationRequest("r2", [0] * 10, decode_heavy), 10, default=0)
+    assert (first, second) == (1, 2)
+    est = tr.router.metrics()["router/wait_s/engine-2"]
+    tr.served(2, ["r2"], busy_s=3 * est)  # engine 2 ran 3x slower than estimated
+    m = tr.metrics()
+    assert m["rollout/router/scale/engine-2"] == pytest.approx(3.0)
+    # the unmeasured engines share the common part of the correction (issue 21)
+    assert m["rollout/router/scale/engine-1"] == pytest.approx(3.0)
+    assert m["rollout/router/wait_s/engine-2"] == 0.0  # r2 left the queue

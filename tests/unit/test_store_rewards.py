@@ -1,7 +1,8 @@
 import pytest
 
 from rollart.rewards.client import LocalRewardClient
-from rollart.rewards.handlers import env_outcome, get_handler
+from rollart.rewards.handlers import env_outcome
+from rollart.rewards.registry import get_handler
 
 
 def test_env_outcome_averages_format_penalty_over_turns():

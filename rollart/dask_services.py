@@ -1,0 +1,101 @@
+"""The run's long-lived services as Dask actors, each pinned to a worker of its hardware class
+(the `ServiceFactory` of `rollart/driver.py` for a Dask cluster; no Prefect here).
+
+    trainer        one actor on the `trainer` class
+    engines        one replica per entry of `cluster.engine_pools` (default: `engine.replicas`
+                   on the `engine` class), each on its class
+    env hosts      one actor per worker of the `env` class: losing one costs only its episodes
+    rollout        the rollout service, on the first env worker
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import Client
+from distributed.actor import Actor
+
+from rollart.config import RunConfig
+from rollart.driver import Placement
+from rollart.handles import call
+from rollart.rollout.env_host import EnvHostService
+from rollart.run import RunSpec
+from rollart.services import EngineService, RolloutServiceActor, TrainerService
+from rollart.storage.background import flush_all
+
+
+def worker_classes(client: Client) -> dict[str, list[str]]:
+    """Map hardware class -> worker addresses, from the scheduler's view of worker resources."""
+    out: dict[str, list[str]] = {}
+    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        for res in info.get("resources", {}):
+            out.setdefault(res, []).append(addr)
+    return out
+
+
+def check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
+    """Every class the config maps a stage or an engine pool to has a worker; else one line
+    saying how to fix it."""
+    have = worker_classes(client)
+    wanted = set(cfg.cluster.stages.values()) | set(cfg.cluster.engine_classes(cfg.engine.replicas))
+    missing = sorted(c for c in wanted if c not in have)
+    if missing:
+        raise RuntimeError(
+            f"no Dask worker carries resource(s) {missing}; start workers with "
+            f"`dask worker --resources {missing[0]}=1` or fix cluster.stages"
+        )
+    return have
+
+
+class DaskServices:
+    """Creates the services as actors on `client`'s cluster and records where they went."""
+
+    def __init__(self, client: Client, run: RunSpec, placed: Placement) -> None:
+        self.client, self.run, self.placed = client, run, placed
+        self.roles = run.cfg.cluster.stages
+        self.classes = check_classes(client, run.cfg)
+
+    def _actor(self, cls: type, *args: Any, **where: Any) -> Actor:
+        return self.client.submit(cls, self.run, *args, actor=True, **where).result()
+
+    def trainer(self) -> Actor:
+        actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1})
+        self.placed("trainer_service", call(actor, "where"))
+        return actor
+
+    def engines(self) -> list[Actor]:
+        cfg, run_id = self.run.cfg, self.run.run_id
+        out = []
+        for r, hw in enumerate(cfg.cluster.engine_classes(cfg.engine.replicas)):
+            actor = self._actor(EngineService, r, resources={hw: 1}, key=f"engine-{run_id}-{r}")
+            self.placed("engine_service", call(actor, "where"))
+            out.append(actor)
+        return out
+
+    def env_hosts(self) -> list[Actor]:
+        workers = self.classes[self.roles["env"]]
+        return [self._actor(EnvHostService, workers=[addr],
+                            key=f"env-host-{self.run.run_id}-{i}")
+                for i, addr in enumerate(workers)]
+
+    def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Actor:
+        # The rollout service reaches hosts by (key, address), not as task dependencies: a lost
+        # env worker must not take the service's own actor down with it. It lives with the first
+        # env host; losing that worker ends the run (resume from the last checkpoint).
+        refs = [(h.key, self.placed("env_host", call(h, "stats"))["address"]) for h in hosts]
+        return self.client.submit(
+            RolloutServiceActor, self.run, engines, refs, version, actor=True,
+            workers=[self.classes[self.roles["env"]][0]], key=f"rollout-{self.run.run_id}",
+        ).result()
+
+    def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]:
+        out: list[dict[str, Any] | None] = []
+        for h in hosts:
+            try:
+                out.append(h.stats().result(timeout=10))
+            except Exception:  # its worker is gone
+                out.append(None)
+        return out
+
+    def flush_shards(self) -> int:
+        return sum(self.client.run(flush_all).values())

@@ -1,0 +1,261 @@
+"""The one iteration driver: what runs each step, in which order, and which metrics merge.
+
+Both ways of running consume it, so tests and benchmarks exercise the loop that users run:
+- the Prefect flow (`flows/train.py`): stages are Prefect tasks on hardware-class Dask workers,
+  services are Dask actors;
+- the in-process mode (`rollart/local_loop.py`): stages are plain calls, services plain objects.
+They differ only in a `StageRunner` (where a stage runs) and a `ServiceFactory` (where the
+long-lived services live).
+
+    start:  prepare -> trainer, engines, env hosts -> [restore checkpoint] -> sync weights
+            -> rollout service (keeps episodes running across iterations)
+    iteration it (step = it + 1, the policy version the update produces):
+            collect(it) -> score -> update -> sync_weights(step)
+            [checkpoint(step)]  every storage.save_every steps and at the last one
+            [evaluate]          every eval.every steps and at the last one, after the sync
+    finish: stop the rollout service, wait for checkpoint uploads and shards
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollart import stages
+from rollart.config import RunConfig
+from rollart.handles import call
+from rollart.run import RunSpec
+from rollart.spans import SPAN, busy_seconds
+
+# The hardware-class role (a key of `cluster.stages`) each stage runs on.
+STAGE_ROLE: dict[str, str] = {
+    "prepare": "env",
+    "collect": "env",
+    "score": "reward",
+    "update": "trainer",
+    "sync_weights": "engine",
+    "checkpoint": "trainer",
+    "evaluate": "env",
+    "load_checkpoint_weights": "engine",
+}
+
+
+class Pending(Protocol):
+    """A submitted stage; `result()` waits for it (a Prefect future, or `Done`)."""
+
+    def result(self) -> Any: ...
+
+
+class StageRunner(Protocol):
+    """Runs stage `stage` (a function of `rollart.stages`) with `args`, after `after`."""
+
+    def submit(self, stage: str, *args: Any, after: Sequence[Pending] = ()) -> Pending: ...
+
+
+class ServiceFactory(Protocol):
+    """Creates the run's long-lived services where they belong."""
+
+    def trainer(self) -> Any: ...
+    def engines(self) -> list[Any]: ...
+    def env_hosts(self) -> list[Any]: ...
+    def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Any: ...
+    def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]: ...
+    def flush_shards(self) -> int: ...
+
+
+@dataclass
+class Done:
+    """An already computed stage result (the in-process runner)."""
+
+    value: Any
+
+    def result(self) -> Any:
+        return self.value
+
+
+class InProcessRunner:
+    """Stages as plain calls, in submission order (the in-process mode)."""
+
+    def submit(self, stage: str, *args: Any, after: Sequence[Pending] = ()) -> Done:
+        fn = getattr(stages, stage)
+        return Done(fn(*[a.result() if isinstance(a, Done) else a for a in args]))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What iteration `iteration` does beyond collect -> score -> update -> sync."""
+
+    iteration: int
+    step: int  # iteration + 1: the update's number and the policy version it produces
+    checkpoint: bool
+    evaluate: bool
+
+
+def plan_step(cfg: RunConfig, iteration: int, eval_every: int | None = None) -> StepPlan:
+    step = iteration + 1
+    last = step == cfg.iterations
+    every = cfg.eval.every if eval_every is None else eval_every
+    return StepPlan(
+        iteration=iteration,
+        step=step,
+        checkpoint=step % cfg.storage.save_every == 0 or last,
+        evaluate=bool(cfg.eval.episodes) and (bool(every and step % every == 0) or last),
+    )
+
+
+def control_plane_metrics(infos: dict[str, dict[str, Any]], start: float,
+                          end: float) -> dict[str, float]:
+    """Split the iteration [start, end] into stage work (each stage's own span, measured where
+    it ran; concurrent stages count once) and orchestration (everything else: task submission
+    and state tracking, scheduling, actor round trips, serialisation)."""
+    spans = {k: i[SPAN] for k, i in infos.items() if i.get(SPAN)}
+    m = {f"perf/stage/{k}_s": b - a for k, (a, b) in spans.items()}
+    busy = busy_seconds(spans.values(), start, end)
+    wall = max(end - start, 1e-9)
+    m["perf/stage_busy_s"] = busy
+    m["perf/orchestration_s"] = wall - busy
+    m["perf/orchestration_share"] = (wall - busy) / wall
+    return m
+
+
+@dataclass
+class Services:
+    trainer: Any
+    engines: list[Any]
+    hosts: list[Any]
+    rollout: Any = None
+
+
+@dataclass
+class IterationResult:
+    plan: StepPlan
+    metrics: dict[str, Any]
+    checkpoint: dict[str, Any] | None  # what the checkpoint stage returned, on checkpoint steps
+
+
+@dataclass
+class Placement:
+    """Where each stage and service ran (worker name and resources), for the run's record."""
+
+    by_stage: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def __call__(self, stage: str, info: dict[str, Any]) -> dict[str, Any]:
+        self.by_stage.setdefault(stage, []).append(
+            {k: info.get(k) for k in ("worker", "resources")})
+        return info
+
+
+class IterationDriver:
+    """Runs one training run through `runner` on the services `factory` makes."""
+
+    def __init__(self, run: RunSpec, runner: StageRunner, factory: ServiceFactory,
+                 placement: Placement | None = None, eval_every: int | None = None) -> None:
+        self.run, self.cfg = run, run.cfg
+        self.runner, self.factory = runner, factory
+        self.placed = placement or Placement()
+        self.eval_every = eval_every
+        self.store = run.store()
+        self.svc: Services | None = None
+        self.restored: dict[str, Any] | None = None
+        self.t_start = time.perf_counter()
+
+    # ---- start ---------------------------------------------------------------------------
+    def start(self, resume_step: int | None = None) -> int:
+        """Create the services (restored from checkpoint `resume_step`); returns the first
+        iteration to run."""
+        self.placed("prepare", self.runner.submit("prepare", self.run).result())
+        f = self.factory
+        trainer, engines, hosts = f.trainer(), f.engines(), f.env_hosts()
+        first = 0
+        if resume_step is not None:  # trainer state, ledger, engine RNG; weights synced below
+            self.restored = stages.restore(trainer, engines, resume_step)
+            first = int(self.restored["next_iteration"])
+        self.placed("sync_weights",
+                    self.runner.submit("sync_weights", trainer, engines).result())
+        rollout = f.rollout(engines, hosts, first)
+        self.placed("rollout_service", call(rollout, "start") or {})
+        self.svc = Services(trainer, engines, hosts, rollout)
+        self.t_start = time.perf_counter()
+        return first
+
+    # ---- one iteration -------------------------------------------------------------------
+    def iteration(self, it: int) -> IterationResult:
+        assert self.svc is not None, "start() first"
+        sv, run, submit, placed = self.svc, self.run, self.runner.submit, self.placed
+        plan = plan_step(self.cfg, it, self.eval_every)
+        t0, wall0 = time.perf_counter(), time.time()
+        collected = submit("collect", sv.rollout, it)
+        scored = submit("score", run, it, collected)
+        updated = submit("update", sv.trainer, scored)
+        # On a checkpoint step the rollout service hears of the new version only after the
+        # snapshot, so the engines' sampling RNG is captured at rest (exact resume, alpha = 0).
+        synced = submit("sync_weights", sv.trainer, sv.engines,
+                        None if plan.checkpoint else sv.rollout, plan.step, after=[updated])
+        ckpt = submit("checkpoint", sv.trainer, plan.step, {"iteration": it}, sv.engines,
+                      after=[updated]) if plan.checkpoint else None
+        ev = submit("evaluate", run, sv.engines, self.cfg.eval.episodes,
+                    after=[synced]) if plan.evaluate else None
+
+        m: dict[str, Any] = {"iteration": float(it), "version": float(plan.step)}
+        infos = {"collect": collected.result()[1], "score": scored.result()[1],
+                 "update": updated.result(), "sync_weights": synced.result()}
+        for stage, info in infos.items():
+            m.update(placed(stage, info)["metrics"])
+        saved = None
+        if ckpt is not None:
+            saved = infos["checkpoint"] = placed("checkpoint", ckpt.result())
+            call(sv.rollout, "set_version", plan.step)  # engines serve it: episodes may start
+            m["perf/checkpoint_s"] = saved["save_s"]  # blocking part; the upload is below
+            for up in saved.get("uploaded", []):  # background uploads finished since
+                m["perf/checkpoint_upload_s"] = up["result"]["upload_s"]
+        if ev is not None:
+            infos["evaluate"] = placed("evaluate", ev.result())
+            m.update(infos["evaluate"]["metrics"])
+        m.update(control_plane_metrics(infos, wall0, time.time()))
+        m["perf/iteration_s"] = time.perf_counter() - t0
+        m["perf/elapsed_s"] = time.perf_counter() - self.t_start
+        self.store.append_jsonl("metrics.jsonl", m)
+        return IterationResult(plan, m, saved)
+
+    def iterations(self, first: int,
+                   on_iteration: Callable[[IterationResult], None] | None = None,
+                   stop_when: Callable[[list[float]], bool] | None = None
+                   ) -> list[dict[str, Any]]:
+        """Iterations `first` .. `cfg.iterations - 1`; `stop_when(greedy eval history)` may end
+        the run early. Returns every iteration's metrics."""
+        curve: list[dict[str, Any]] = []
+        evals: list[float] = []
+        for it in range(first, self.cfg.iterations):
+            res = self.iteration(it)
+            curve.append(res.metrics)
+            if on_iteration is not None:
+                on_iteration(res)
+            if "eval/success_rate" in res.metrics:
+                evals.append(res.metrics["eval/success_rate"])
+                if stop_when is not None and stop_when(evals):
+                    break
+        return curve
+
+    # ---- finish --------------------------------------------------------------------------
+    def finish(self) -> dict[str, Any]:
+        """Stop the rollout service; the final checkpoint and every background upload are
+        durable before this returns."""
+        assert self.svc is not None, "start() first"
+        sv = self.svc
+        rollout_stats = call(sv.rollout, "stop")
+        rollout_stats["env_hosts"] = self.factory.host_stats(sv.hosts)
+        uploads = call(sv.trainer, "flush_checkpoints")
+        shards = self.factory.flush_shards()
+        return {"rollout": rollout_stats, "uploads": uploads, "shards_flushed": shards,
+                "fingerprints": {"trainer": call(sv.trainer, "fingerprint"),
+                                 "engine": call(sv.engines[0], "fingerprint")}}
+
+    def abort(self) -> None:
+        """After a failure: stop the rollout service's episodes (best effort)."""
+        if self.svc is not None and self.svc.rollout is not None:
+            try:
+                call(self.svc.rollout, "stop")
+            except Exception:  # its worker may be the thing that failed
+                pass

@@ -1,0 +1,124 @@
+"""`EngineService`: one inference engine replica on an engine-class worker, alive for the run.
+
+It loads the run's tokenizer from the store (built once by the prepare stage) and builds the
+same architecture as the trainer; it then receives the trainer's weights as version 0, so the
+two start bit-identical. Models never travel as task arguments.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from rollart.engines import make_engine
+from rollart.handles import worker_identity
+from rollart.models.policy import param_count
+from rollart.models.run_model import build_model, param_checksum
+from rollart.routing.setup import emulation_factors
+from rollart.run import RunSpec
+from rollart.storage.store import checkpoint_rel
+from rollart.storage.weights import load_weights_bytes, retie
+from rollart.types import Completion, GenerationRequest
+
+log = logging.getLogger("rollart")
+
+
+class EngineService:
+    """One inference engine replica (`engine.backend`: hf or vllm)."""
+
+    def __init__(self, run: RunSpec, replica: int = 0) -> None:
+        self.run = run
+        self.cfg = cfg = run.cfg
+        torch.set_num_threads(1)
+        self.store = run.store()
+        model, tok = build_model(run)
+        self.params = float(param_count(model))
+        # Hardware class of this replica (cluster.engine_pools); emulated slowdowns only when
+        # routing.emulation.enabled (benchmarks: every pool is the same CPU here; HF engine).
+        self.hw_class = cfg.cluster.engine_classes(cfg.engine.replicas)[replica]
+        slow = emulation_factors(cfg).get(self.hw_class)
+        self.engine = make_engine(cfg, model, tok, seed=cfg.seed * 1000 + replica,
+                                  weight_version=-1,
+                                  **({"emulate": slow} if slow is not None else {}))
+        self.replica = replica
+        self.identity = worker_identity()
+        self.sync_pauses: list[float] = []
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        # Thread settings are per OS thread under OpenMP, and actor methods run on their own
+        # thread, so set them where the work happens.
+        torch.set_num_threads(self.cfg.engine.threads)
+        return self.engine.generate(requests)
+
+    def update_weights(self, version: int, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.engine.update_weights(version, state)
+        pause = time.perf_counter() - t0
+        self.sync_pauses.append(pause)
+        return {"version": float(version), "pause_s": pause}
+
+    def pull_weights(self, version: int) -> dict[str, float]:
+        """Load a published weight version from the store (`weights/v{version}/`)."""
+        t0 = time.perf_counter()
+        data, _ = load_weights_bytes(self.store, version)
+        pull_s = time.perf_counter() - t0
+        state = retie(safetensors.torch.load(data), self.engine.model)
+        out = self.update_weights(version, state)
+        return {**out, "pull_s": pull_s, "bytes": float(len(data))}
+
+    def load_checkpoint(self, step: int) -> dict[str, Any]:
+        """Serve the weights of checkpoint `step` (evaluation of a finished run). Tied weights
+        are stored once, so the state goes through a model of the run's architecture
+        (strict=False restores the ties) before the engine's strict load; the served weights
+        are then checked against it."""
+        files, manifest = self.store.load_checkpoint(step, only=["model.safetensors"])
+        model, _ = build_model(self.run)
+        model.load_state_dict(safetensors.torch.load(files["model.safetensors"]), strict=False)
+        version = int(manifest.get("version", step))
+        self.update_weights(version, model.state_dict())
+        served, expected = self.fingerprint(), param_checksum(model)
+        if abs(served - expected) > 1e-6 * max(1.0, abs(expected)):
+            raise RuntimeError(f"engine weights differ from checkpoint {step} "
+                               f"({checkpoint_rel(step)}) after loading")
+        return {"step": step, "version": version, "fingerprint": served, **self.identity}
+
+    def rng_state(self) -> bytes:
+        """The sampling generator's state (saved in checkpoints for exact resume)."""
+        return self.engine.generator.get_state().numpy().tobytes()
+
+    def restore_rng(self, step: int) -> bool:
+        """Restore this replica's sampling generator from checkpoint `step` (if recorded)."""
+        files, _ = self.store.load_checkpoint(step, only=["engine_rng.pt"])
+        if "engine_rng.pt" not in files:
+            return False
+        states = torch.load(io.BytesIO(files["engine_rng.pt"]))
+        if self.replica >= len(states):
+            log.warning("checkpoint %d has no RNG state for engine replica %d", step, self.replica)
+            return False
+        self.engine.generator.set_state(torch.frombuffer(bytearray(states[self.replica]),
+                                                         dtype=torch.uint8))
+        return True
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def param_count(self) -> float:
+        return self.params
+
+    def fingerprint(self) -> float:
+        return param_checksum(self.engine.model)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), **self.identity, "replica": self.replica}
+
+    def where(self) -> dict[str, Any]:
+        return self.identity
+
+    def close(self) -> None:
+        """Shut the engine down (vLLM frees its engine core; HF has nothing to free)."""
+        getattr(self.engine, "close", lambda: None)()

@@ -1,0 +1,48 @@
+"""`RolloutServiceActor`: the run's RolloutService on an env-class worker, as a Dask actor."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from rollart.handles import worker_identity
+from rollart.rollout.env_host import EnvHostService
+from rollart.rollout.setup import build_rollout_service
+from rollart.run import RunSpec
+from rollart.types import Trajectory
+
+
+class RolloutServiceActor:
+    """Its threads call the engine and env-host actors; `take_batch` is a coroutine (it polls on
+    the worker's event loop), so waiting for a batch never holds the worker's single actor
+    thread."""
+
+    def __init__(self, run: RunSpec, engines: list[Any], host_refs: list[tuple[str, str]],
+                 version: int = 0) -> None:
+        from distributed.actor import Actor
+
+        # Env hosts by (actor key, worker address): handles, not graph dependencies, so a lost
+        # env worker does not take this actor down with it.
+        hosts = [Actor(EnvHostService, address, key) for key, address in host_refs]
+        self.service = build_rollout_service(run, engines, hosts, version)
+
+    def start(self) -> dict[str, Any]:
+        self.service.start()
+        return worker_identity()
+
+    async def take_batch(self, update: int) -> tuple[list[Trajectory], dict[str, Any]]:
+        t0 = time.perf_counter()
+        while (out := self.service.try_take(update)) is None:
+            await asyncio.sleep(0.02)
+        out[1]["metrics"]["rollout/wait_s"] = time.perf_counter() - t0
+        return out
+
+    def set_version(self, version: int) -> None:
+        self.service.set_version(version)
+
+    def stats(self) -> dict[str, Any]:
+        return self.service.stats()
+
+    def stop(self) -> dict[str, Any]:
+        return self.service.stop()

@@ -1,0 +1,84 @@
+"""`TrainerService`: model, optimizer (and reference) on the trainer-class worker, alive for the
+run; also the owner of the sample ledger and the checkpoints (`rollart/storage/checkpointing.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollart.handles import worker_identity
+from rollart.models.run_model import build_model, param_checksum
+from rollart.run import RunSpec
+from rollart.storage.checkpointing import Checkpointer
+from rollart.train.trainer import Trainer
+from rollart.types import Trajectory
+
+
+class TrainerService:
+    """The policy update and everything that must stay consistent with it."""
+
+    def __init__(self, run: RunSpec) -> None:
+        self.cfg = cfg = run.cfg
+        torch.set_num_threads(cfg.train.threads)
+        torch.manual_seed(cfg.seed)
+        self.store = run.store()
+        model, tok = build_model(run)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.trainer = Trainer(model, cfg.algo, cfg.train,
+                               temperature=cfg.engine.temperature, pad_id=int(pad))
+        # Ledger, checkpoint snapshots and background uploads (rollart/storage/checkpointing.py)
+        self.ckpt = Checkpointer(cfg, self.store)
+        self.identity = worker_identity()
+
+    def update(self, trajs: list[Trajectory],
+               dropped: list[tuple[str, int, str]] | None = None) -> dict[str, Any]:
+        """One policy update; then every sample's fate goes into the ledger (consumed by this
+        step, or dropped with a reason, incl. `dropped` from earlier stages)."""
+        torch.set_num_threads(self.cfg.train.threads)
+        metrics = self.trainer.update(trajs)
+        metrics["train/samples_consumed"] = float(self.ckpt.record_update(
+            trajs, dropped, self.trainer.step, skipped="train/skipped" in metrics))
+        every = self.cfg.storage.weights_every
+        if every and not self.cfg.storage.sync_via_store and self.trainer.version % every == 0:
+            metrics["perf/weights_publish_wait_s"] = self.ckpt.publish_async(self.trainer)
+        return {"metrics": metrics, "version": self.trainer.version, **self.identity}
+
+    def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.trainer.version, self.trainer.export_weights()
+
+    def sync_via_store(self) -> bool:
+        return self.cfg.storage.sync_via_store
+
+    def publish_weights(self) -> dict[str, Any]:
+        """Publish the current version to `weights/v{n}/` now (store-mediated sync)."""
+        return self.ckpt.publish_now(self.trainer)
+
+    def save_checkpoint(self, step: int, meta: dict[str, Any],
+                        engine_rng: list[bytes] | None = None,
+                        pending: list[Trajectory] | None = None) -> dict[str, Any]:
+        """Snapshot now, upload in the background (`storage.background_upload`)."""
+        return {**self.ckpt.save(self.trainer, step, meta, engine_rng, pending), **self.identity}
+
+    def flush_checkpoints(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Wait for background uploads (checkpoints, weight versions); raises a failure."""
+        return self.ckpt.flush(timeout)
+
+    def load_checkpoint(self, step: int) -> dict[str, Any]:
+        """Restore model, optimizer, RNG, step/version, sample ledger and pending samples."""
+        return self.ckpt.restore(self.trainer, step)
+
+    def take_pending(self) -> list[Trajectory]:
+        """Complete-but-unconsumed samples restored from the checkpoint (handed out once)."""
+        out, self.ckpt.pending = self.ckpt.pending, []
+        return out
+
+    def ledger_records(self) -> list[list[Any]]:
+        return [list(r) for r in self.ckpt.ledger.records]
+
+    def fingerprint(self) -> float:
+        return param_checksum(self.trainer.model)
+
+    def where(self) -> dict[str, Any]:
+        return self.identity

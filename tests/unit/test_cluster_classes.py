@@ -1,0 +1,32 @@
+"""Default hardware classes: one home, copied (never shared) by everything that starts from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollart.cluster_classes import (
+    DEFAULT_STAGES,
+    DEFAULT_WORKERS,
+    default_stages,
+    default_workers,
+)
+from rollart.config import ClusterConfig
+
+
+def test_defaults_are_the_documented_classes():
+    assert dict(DEFAULT_WORKERS) == {"H800": 1, "H20": 1, "CPU": 1}
+    assert dict(DEFAULT_STAGES) == {"trainer": "H800", "engine": "H20", "env": "CPU",
+                                    "reward": "CPU"}
+    # every stage maps to a class that has a worker, else the default config would not load
+    assert set(DEFAULT_STAGES.values()) <= set(DEFAULT_WORKERS)
+
+
+def test_config_defaults_come_from_the_one_home_and_are_copies():
+    a, b = ClusterConfig(), ClusterConfig()
+    assert a.workers == default_workers() and a.stages == default_stages()
+    a.workers["H200"] = 2
+    a.stages["engine"] = "H200"
+    assert b.workers == {"H800": 1, "H20": 1, "CPU": 1} and b.stages["engine"] == "H20"
+    assert "H200" not in DEFAULT_WORKERS and DEFAULT_STAGES["engine"] == "H20"
+    with pytest.raises(TypeError):
+        DEFAULT_WORKERS["H200"] = 1  # type: ignore[index]

@@ -1,0 +1,171 @@
+"""The iteration driver (`rollart/driver.py`) with recording fakes: which stages run each step, in
+which order, with which arguments; checkpoint and evaluation cadence; the metric merge; the
+rollout service learning the version after a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rollart.config import load_config
+from rollart.driver import Done, IterationDriver, plan_step
+from rollart.run import RunSpec
+
+
+def cfg_with(tmp_path, *overrides: str):
+    return load_config(None, [f"storage.root={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize(("iterations", "save_every", "every", "episodes", "ckpt", "evals"), [
+    (5, 2, 2, 4, [2, 4, 5], [2, 4, 5]),   # cadence, and the last step always
+    (5, 10, 0, 4, [5], [5]),              # eval.every 0: only the last step
+    (3, 1, 1, 0, [1, 2, 3], []),          # no eval episodes: never evaluate
+])
+def test_plan_step_cadence(tmp_path, iterations, save_every, every, episodes, ckpt, evals):
+    cfg = cfg_with(tmp_path, f"iterations={iterations}", f"storage.save_every={save_every}",
+                   f"eval.every={every}", f"eval.episodes={episodes}")
+    plans = [plan_step(cfg, it) for it in range(iterations)]
+    assert [p.step for p in plans] == list(range(1, iterations + 1))
+    assert [p.step for p in plans if p.checkpoint] == ckpt
+    assert [p.step for p in plans if p.evaluate] == evals
+
+
+class Rollout:
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def start(self) -> dict[str, Any]:
+        self.log.append(("rollout.start",))
+        return {"worker": "CPU-0", "resources": {"CPU": 1}}
+
+    def set_version(self, v: int) -> None:
+        self.log.append(("rollout.set_version", v))
+
+    def stop(self) -> dict[str, Any]:
+        self.log.append(("rollout.stop",))
+        return {"counters": {}}
+
+
+class Trainer:
+    def flush_checkpoints(self) -> list[Any]:
+        return ["up"]
+
+    def fingerprint(self) -> float:
+        return 1.5
+
+
+class Engine:
+    def fingerprint(self) -> float:
+        return 1.5
+
+
+class Factory:
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def trainer(self) -> Trainer:
+        self.log.append(("trainer",))
+        return Trainer()
+
+    def engines(self) -> list[Engine]:
+        return [Engine()]
+
+    def env_hosts(self) -> list[str]:
+        return ["host"]
+
+    def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Rollout:
+        self.log.append(("rollout", version))
+        return Rollout(self.log)
+
+    def host_stats(self, hosts: list[Any]) -> list[dict[str, Any]]:
+        return [{"live_envs": 0}]
+
+    def flush_shards(self) -> int:
+        return 3
+
+
+class Runner:
+    """Records (stage, args) and answers what each stage returns, with one metric each."""
+
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def submit(self, stage: str, *args: Any, after: Any = ()) -> Done:
+        args = tuple(a.result() if isinstance(a, Done) else a for a in args)
+        self.log.append((stage, *[a for a in args if isinstance(a, int | type(None))]))
+        info = {"worker": stage, "resources": {}, "metrics": {f"perf/{stage}": 1.0}}
+        if stage in ("collect", "score"):
+            return Done(([], info))
+        if stage == "checkpoint":
+            return Done({**info, "save_s": 0.25, "path": f"ckpt-{args[1]}",
+                         "uploaded": [{"result": {"upload_s": 0.5}}]})
+        return Done(info)
+
+
+def test_driver_runs_the_stages_in_order_and_merges_metrics(tmp_path):
+    cfg = cfg_with(tmp_path, "iterations=3", "storage.save_every=2", "eval.every=0",
+                   "eval.episodes=2")
+    log: list[Any] = []
+    driver = IterationDriver(RunSpec(cfg, "r"), Runner(log), Factory(log))
+    first = driver.start()
+    assert first == 0
+    curve = driver.iterations(first)
+    done = driver.finish()
+    assert log == [
+        ("prepare",), ("trainer",), ("sync_weights",), ("rollout", 0), ("rollout.start",),
+        # step 1: no checkpoint -> sync tells the rollout service (its handle is passed)
+        ("collect", 0), ("score", 0), ("update",), ("sync_weights", 1),
+        # step 2: checkpoint -> sync without the rollout service; it learns after the snapshot
+        ("collect", 1), ("score", 1), ("update",), ("sync_weights", None, 2),
+        ("checkpoint", 2), ("rollout.set_version", 2),
+        # step 3 (last): checkpoint and evaluation
+        ("collect", 2), ("score", 2), ("update",), ("sync_weights", None, 3),
+        ("checkpoint", 3), ("evaluate", 2), ("rollout.set_version", 3),
+        ("rollout.stop",),
+    ]
+    assert [m["iteration"] for m in curve] == [0.0, 1.0, 2.0]
+    assert [m["version"] for m in curve] == [1.0, 2.0, 3.0]
+    assert "perf/evaluate" in curve[2] and "perf/evaluate" not in curve[1]
+    assert curve[1]["perf/checkpoint_s"] == 0.25 and curve[1]["perf/checkpoint_upload_s"] == 0.5
+    assert "perf/checkpoint_s" not in curve[0]
+    for m in curve:
+        assert {"perf/collect", "perf/score", "perf/update", "perf/sync_weights",
+                "perf/iteration_s", "perf/elapsed_s"} <= set(m)
+    # what the run wrote is what the driver returned
+    assert driver.store.read_jsonl("metrics.jsonl") == curve
+    assert done["shards_flushed"] == 3 and done["uploads"] == ["up"]
+    assert done["fingerprints"] == {"trainer": 1.5, "engine": 1.5}
+    assert done["rollout"]["env_hosts"] == [{"live_envs": 0}]
+    assert [r["worker"] for r in driver.placed.by_stage["checkpoint"]] == ["checkpoint"] * 2
+
+
+def test_driver_stop_when_ends_the_run_early(tmp_path):
+    cfg = cfg_with(tmp_path, "iterations=10", "storage.save_every=100", "eval.episodes=2")
+    log: list[Any] = []
+
+    class EvalRunner(Runner):
+        def submit(self, stage: str, *args: Any, after: Any = ()) -> Done:
+            out = super().submit(stage, *args, after=after)
+            if stage == "evaluate":
+                out.value["metrics"]["eval/success_rate"] = 1.0
+            return out
+
+    driver = IterationDriver(RunSpec(cfg, "r"), EvalRunner(log), Factory(log), eval_every=2)
+    curve = driver.iterations(driver.start(), stop_when=lambda evals: len(evals) >= 2)
+    assert len(curve) == 4  # evaluations after steps 2 and 4, then stop
+
+
+def test_busy_seconds_and_orchestration_split():
+    from rollart.driver import control_plane_metrics
+    from rollart.spans import busy_seconds
+
+    # [0,2] and [1,3] overlap -> [0,3]; [4,5] separate; clipped to the window [0.5, 4.5]
+    assert busy_seconds([(0, 2), (1, 3), (4, 5)], 0.0, 10.0) == 4.0
+    assert busy_seconds([(0, 2), (1, 3), (4, 5)], 0.5, 4.5) == 3.0
+    assert busy_seconds([], 0.0, 1.0) == 0.0
+    m = control_plane_metrics({"collect": {"span": (10.0, 11.0)}, "update": {"span": (11.5, 12.0)},
+                               "score": {}}, 10.0, 12.5)
+    assert m["perf/stage/collect_s"] == 1.0 and m["perf/stage/update_s"] == 0.5
+    assert m["perf/stage_busy_s"] == 1.5
+    assert m["perf/orchestration_s"] == 1.0 and m["perf/orchestration_share"] == 0.4

@@ -1,0 +1,62 @@
+"""Episode ids: one scheme, formatted and parsed in rollart/rollout/ids.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollart.config import load_config
+from rollart.rollout.ids import (
+    eval_id,
+    group_id,
+    group_of_sample,
+    parse_group_id,
+    parse_sample_id,
+    sample_id,
+)
+from rollart.rollout.plan import plan_eval, plan_iteration
+from rollart.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from rollart.rollout.service import plan_namer
+
+
+def test_format_and_parse_round_trip():
+    assert group_id("lake", 3, 1) == "lake/i3/g1"
+    assert sample_id("lake/i3/g1", 0) == "lake/i3/g1/m0"
+    assert parse_sample_id("lake/i3/g1/m12") == ("lake/i3/g1", 12)
+    assert parse_group_id("lake/i3/g1") == ("lake", 3, 1)
+    # a task name with "/", "/i" and "/m" in it still parses from the right
+    gid = group_id("suite/imgs/math", 10, 2)
+    assert parse_group_id(gid) == ("suite/imgs/math", 10, 2)
+    assert group_of_sample(sample_id(gid, 7)) == gid
+    assert eval_id("eval", "lake", 4) == "eval/lake/4"
+
+
+@pytest.mark.parametrize("bad", ["lake/i3/g1", "lake/i3/g1/mx", "m3"])
+def test_parse_sample_id_rejects_non_sample_ids(bad):
+    with pytest.raises(ValueError, match="not a sample id"):
+        parse_sample_id(bad)
+
+
+@pytest.mark.parametrize("bad", ["lake/g1", "lake/i3", "lake/ix/g1", "g1"])
+def test_parse_group_id_rejects_non_group_ids(bad):
+    with pytest.raises(ValueError, match="not a group id"):
+        parse_group_id(bad)
+
+
+def test_plan_scheduler_and_service_name_the_same_samples():
+    cfg = load_config("configs/default.yaml", ["rollout.num_groups=2", "rollout.group_size=2"])
+    task = cfg.tasks[0].name
+    planned = [s.sample_id for s in plan_iteration(cfg, 1)]
+    assert planned == [f"{task}/i1/g0/m0", f"{task}/i1/g0/m1",
+                       f"{task}/i1/g1/m0", f"{task}/i1/g1/m1"]
+    assert [parse_sample_id(s) for s in planned][1] == (f"{task}/i1/g0", 1)
+    # the async scheduler with the service's namer, resumed at iteration 1, launches exactly
+    # those ids (and the same seeds) for its first batch
+    sched = RolloutScheduler(
+        SchedulerConfig(group_size=2, batch_groups=2, max_staleness=0,
+                        task_shares=((task, 1.0),)),
+        version=1, group_of=plan_namer(cfg), first_iteration=1)
+    starts = sched.fill()
+    assert [s.episode_id for s in starts] == planned
+    assert [s.seed for s in starts] == [s.seed for s in plan_iteration(cfg, 1)]
+    assert [s.sample_id for s in plan_eval(cfg, 2)] == [eval_id("eval", task, 0),
+                                                        eval_id("eval", task, 1)]

@@ -1,0 +1,77 @@
+"""The shard schema is derived from the Trajectory / Turn dataclasses and is byte-for-byte the
+schema shards were written with before (the hand-kept copy is frozen here as the reference)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rollart.arrow_schema import Float32, Int32, arrow_schema, arrow_type
+from rollart.types import TRAJECTORY_SCHEMA, Trajectory, trajectories_to_table
+
+_KV = pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))
+# The schema as it was hand-written in rollart/types.py; shards on disk carry exactly this.
+WRITTEN_BEFORE = pa.schema([
+    ("sample_id", pa.string()), ("task", pa.string()), ("env_id", pa.string()),
+    ("group_id", pa.string()), ("seed", pa.int64()), ("iteration", pa.int64()),
+    ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+    ("behaviour_logprobs", pa.list_(pa.float32())), ("token_versions", pa.list_(pa.int64())),
+    ("allowed_token_ids", pa.list_(pa.int32())),
+    ("turns", pa.list_(pa.struct([
+        ("index", pa.int32()), ("observation", pa.string()), ("response", pa.string()),
+        ("action", pa.string()), ("format_ok", pa.bool_()), ("env_reward", pa.float64()),
+        ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
+        ("weight_version", pa.int64()), ("generate_s", pa.float64()), ("env_s", pa.float64()),
+    ]))),
+    ("env_return", pa.float64()), ("task_return", pa.float64()),
+    ("format_penalty", pa.float64()), ("success", pa.bool_()), ("terminated", pa.bool_()),
+    ("truncated", pa.bool_()), ("format_errors", pa.int32()), ("error", pa.string()),
+    ("reward", pa.float64()), ("reward_details", _KV), ("advantage", pa.float64()),
+    ("timings", _KV),
+])
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def test_derived_schema_is_the_schema_shards_were_written_with(make_traj):
+    assert TRAJECTORY_SCHEMA.equals(WRITTEN_BEFORE, check_metadata=True)
+    assert TRAJECTORY_SCHEMA.serialize().to_pybytes() == WRITTEN_BEFORE.serialize().to_pybytes()
+    rows = [make_traj(i).to_row() for i in range(2)]
+    assert _parquet_bytes(trajectories_to_table([make_traj(i) for i in range(2)])) \
+        == _parquet_bytes(pa.Table.from_pylist(rows, schema=WRITTEN_BEFORE))
+
+
+@dataclass
+class _Extended(Trajectory):
+    prm_scores: list[Float32] = field(default_factory=list)
+    judge: str | None = None
+    verdicts: dict[str, Int32] = field(default_factory=dict)
+
+
+def test_a_new_dataclass_field_is_a_new_column():
+    schema = arrow_schema(_Extended)
+    assert schema.names == WRITTEN_BEFORE.names + ["prm_scores", "judge", "verdicts"]
+    assert schema.field("prm_scores").type == pa.list_(pa.float32())
+    assert schema.field("judge").type == pa.string() and schema.field("judge").nullable
+    assert schema.field("verdicts").type == pa.list_(
+        pa.struct([("key", pa.string()), ("value", pa.int32())]))
+
+
+def test_unmappable_types_fail_naming_the_field():
+    @dataclass
+    class Bad:
+        ok: int
+        both: int | str
+
+    with pytest.raises(TypeError, match=r"Bad\.both: only `X \| None` unions"):
+        arrow_schema(Bad)
+    with pytest.raises(TypeError, match="no Arrow type"):
+        arrow_type(set[int])
