@@ -63,8 +63,8 @@ Policies (what a new episode, or a spilled one, gets):
 Stickiness: a later turn of an episode goes back to the replica that served the previous turn
 (its prefix is cached there). affinity leaves it only if another replica would finish the turn
 (wait + service, the home's service counting the cached prefix) more than
-`imbalance_threshold_s` sooner ("spill"): with an engine that caches nothing the home has no
-advantage and every turn goes where the hardware serves it best (issue 21: a prefill-heavy
+`imbalance_threshold_s` sooner ("spill"); with an engine that caches nothing the home has no
+advantage in that comparison, only the threshold's hysteresis (issue 21: a prefill-heavy
 episode first placed on the bandwidth pool while the compute pool was busy stayed there for all
 its turns, each longer than the last). The class-blind baselines keep the home unless its wait
 exceeds the smallest wait by more than the threshold; then the policy decides again. Failed
