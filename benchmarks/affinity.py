@@ -1,19 +1,21 @@
 """Hardware-affinity routing on emulated H800-like and H20-like engine pools, in one process.
 
-Two HF engine replicas of the same random-init Llama (~0.5M params) run on this CPU host, one
-thread each (torch 1 thread each). Emulation (rollart.engines.hf, `emulate=`) sleeps after every
-forward pass so that each replica behaves like its class *as a scaled GPU*: the host's time per
-prefill token and per decode token (batch 8) is measured first, then
-rollart.routing.host_matched_slowdowns picks per-phase factors that give each class the cost
-model's per-token times (2 x params FLOPs / FLOP/s; bf16 param bytes / 8 / bandwidth) times one
-common scale. Relative to each other: H20 prefill 989/148 = 6.7x slower than H800, H800 decode
-4000/3350 = 1.19x slower than H20, and decode/prefill cost per token as on the GPU (~37 on
-H800), not as on a CPU (~5 here, which would make every task look prefill-bound).
+Two HF engine replicas run in this process, one thread each. Each plays its hardware class with
+the modelled emulation (rollart.routing.emulation.ServiceModel, issue 21): every forward pass
+takes the cost model's time for a `--model-params` model (default 7e9, bf16) on that class,
+spent as sleep (prefill: prompt tokens x 2 x params / FLOP/s; decode step: weight bytes /
+bandwidth, shared by the batch's rows, as on a GPU) x `--time-scale`. The service time then
+depends on token counts only: not on this host's speed, nor on the other replica or the other
+processes competing for its cores. `--forward none` (default) skips the real forward pass
+(uniform logits; the routing effect is then exact up to thread scheduling); `--forward real`
+runs the tiny model's real pass under the modelled time (its CPU time is subtracted; any excess
+is reported as `overrun_s` per replica; give it a `--time-scale` large enough to hide the pass).
 
 Workload (identical for every policy within a repeat; seeded): 50/50 mixed multi-turn episodes,
 all started at once, each advancing to its next turn as soon as its completion is back:
 - prefill-heavy task `obs` (long observations, short actions): 1024-token first prompt,
-  +512 observation tokens per later turn, 8 new tokens per turn;
+  +512 observation tokens per later turn, 8 new tokens per turn (`--obs-prompt`,
+  `--obs-tokens`);
 - decode-heavy task `reason` (short prompts, long reasoning): 16-token first prompt, +8 tokens
   per later turn, 128 new tokens per turn.
 No eos (eos_token_ids=[]), so every completion has exactly its max_new_tokens: all policies
@@ -21,14 +23,21 @@ generate the same tokens and only placement differs. The HF engine has no prefix
 turn re-prefills its whole context (the router is told `prefix_cache=False`).
 
 Each replica drains its queue in batches of up to 8 (engine.generate); the batch time goes to
-Router.on_batch (online correction of the cost model), completions to Router.on_finished and
+Router.on_batch (the bounded online correction), completions to Router.on_finished and
 TaskProfiles, and the episode's next turn is routed at once. Policies: affinity (cost model +
 queue), round_robin, least_loaded; all three keep an episode on its replica across turns unless
 its wait exceeds the smallest by --threshold-s (the Router's shared stickiness rule), which
 makes the two baselines load-aware at turn boundaries (stronger than plain rotation).
 
-Writes results/affinity.json (per policy: median wall time of the repeats = one iteration,
-generation tokens/s, per-replica busy/sleep time, router decisions) and prints one line.
+Every repeat runs the three policies (order alternating between repeats) on the repeat's seed;
+speedup of a repeat = round robin wall / affinity wall within that repeat. Reported: every
+repeat's walls, speedups, decisions and placements (turns of each task on each class), and the
+min / median / max of the speedups; the summary line prints the minimum. With
+`--run-iterations N` (default 12) the same mix also runs as a full training run
+(benchmarks/affinity_run.py: configs/affinity-mix.yaml through rollart.local_loop.run_local),
+affinity vs round robin, and the median iteration-time ratio is `run_speedup_vs_round_robin`.
+
+Writes results/affinity.json and prints one line.
 """
 
 from __future__ import annotations
@@ -62,10 +71,8 @@ from rollart.routing import (  # noqa: E402
     ReplicaSpec,
     Router,
     RouteRequest,
+    ServiceModel,
     TaskProfiles,
-    emulated_class,
-    emulation_slowdowns,
-    host_matched_slowdowns,
 )
 from rollart.types import Completion, GenerationRequest, SamplingParams  # noqa: E402
 
@@ -80,7 +87,7 @@ class TaskSpec:
     new_tokens: int
 
 
-TASKS = {
+TASKS = {  # obs sizes: --obs-prompt / --obs-tokens
     "obs": TaskSpec("obs", first_prompt=1024, obs_tokens=512, new_tokens=8),
     "reason": TaskSpec("reason", first_prompt=16, obs_tokens=8, new_tokens=128),
 }
@@ -102,10 +109,12 @@ class ReplicaServer(threading.Thread):
     """Drains its queue in batches of up to BATCH requests through one engine."""
 
     def __init__(self, rid: str, engine: HFEngine,
+                 on_start: Callable[[str, list[str]], None],
                  on_batch: Callable[[str, list[str], float], None],
                  on_done: Callable[[str, Completion], None]):
         super().__init__(daemon=True, name=rid)
         self.rid, self.engine, self.on_batch, self.on_done = rid, engine, on_batch, on_done
+        self.on_start = on_start
         self.q: deque[GenerationRequest] = deque()
         self.cv = threading.Condition()
         self.stopping = False
@@ -130,6 +139,7 @@ class ReplicaServer(threading.Thread):
                 if not self.q:
                     return
                 batch = [self.q.popleft() for _ in range(min(BATCH, len(self.q)))]
+            self.on_start(self.rid, [r.request_id for r in batch])
             t0 = time.perf_counter()
             completions = self.engine.generate(batch)
             busy = time.perf_counter() - t0
@@ -156,6 +166,7 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
     eps: dict[str, Episode] = {}
     finished = [0]
     tokens = {t: 0 for t in TASKS}
+    placed = {f"{t}/{s.hw.name}": 0 for t in TASKS for s in specs}  # turns of task t on class
     servers: dict[str, ReplicaServer] = {}
 
     def issue(ep: Episode) -> None:  # caller holds `lock`
@@ -164,9 +175,14 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
             request_id=rid, episode_id=ep.eid, task=ep.task.name, new_tokens=ep.new_tokens,
             context_tokens=len(ep.context) - ep.new_tokens,
             decode_tokens=profiles.expected_decode_tokens(ep.task.name, ep.task.new_tokens)))
+        placed[f"{ep.task.name}/{d.hw_class}"] += 1
         ep.submitted_at = time.perf_counter()
         servers[d.replica_id].submit(GenerationRequest(
             rid, list(ep.context), SamplingParams(max_new_tokens=ep.task.new_tokens)))
+
+    def on_start(replica: str, ids: list[str]) -> None:
+        with lock:
+            router.on_started(replica, ids)
 
     def on_batch(replica: str, ids: list[str], busy_s: float) -> None:
         with lock:
@@ -200,13 +216,14 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
         ctx = random_ids(rng, task.first_prompt, vocab)
         eps[f"{task.name}{i}"] = Episode(f"{task.name}{i}", task, ctx, turns, len(ctx))
     before = {rid: e.stats() for rid, e in engines.items()}
-    servers.update({rid: ReplicaServer(rid, e, on_batch, on_done) for rid, e in engines.items()})
+    servers.update({rid: ReplicaServer(rid, e, on_start, on_batch, on_done)
+                    for rid, e in engines.items()})
     t0 = time.perf_counter()
-    for s in servers.values():
-        s.start()
-    with lock:
+    with lock:  # every first turn is queued before the replicas start: full first batches
         for ep in eps.values():
             issue(ep)
+    for s in servers.values():
+        s.start()
     done.wait()
     wall = time.perf_counter() - t0
     for s in servers.values():
@@ -220,8 +237,10 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
             "busy_s": round(servers[rid].busy_s, 3), "batches": servers[rid].batches,
             "tokens_generated": int(b["tokens_generated"] - a["tokens_generated"]),
             "prompt_tokens": int(b["prompt_tokens"] - a["prompt_tokens"]),
-            "emulated_sleep_s": round(b["emulated_prefill_s"] + b["emulated_decode_s"]
-                                      - a["emulated_prefill_s"] - a["emulated_decode_s"], 3),
+            "emulated_sleep_s": round(b["emulated_sleep_s"] - a["emulated_sleep_s"], 3),
+            "modelled_s": round(b["emulated_modelled_s"] - a["emulated_modelled_s"], 3),
+            "overrun_s": round(b["emulated_overrun_s"] - a["emulated_overrun_s"], 3),
+            "forward_s": round(b["forward_s"] - a["forward_s"], 3),
         }
     m = router.metrics()
     return {
@@ -231,7 +250,10 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
         "prompt_tokens_per_s": sum(r["prompt_tokens"] for r in per_replica.values()) / wall,
         "replicas": per_replica,
         "decisions": {k: int(m[f"router/{k}"]) for k in ("new", "sticky", "spill", "failover")},
-        "router_scale": {rid: round(m[f"router/scale/{rid}"], 2) for rid in engines},
+        "placed_turns": placed,
+        "router_scale": {rid: round(m[f"router/scale/{rid}"], 3) for rid in engines},
+        "router_measured_ratio": {rid: round(m[f"router/measured_ratio/{rid}"], 3)
+                                  for rid in engines},
         "per_task": {
             t: {"gen_tokens": tokens[t],
                 "mean_turn_latency_s": round(statistics.mean(
@@ -241,58 +263,47 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
     }
 
 
-def calibrate(engine: HFEngine, vocab: int) -> tuple[float, float]:
-    """Host seconds per prefill token and per decode token (rows of a BATCH batch), best of 2."""
-    rng = random.Random(1)
-
-    def timed(prompt: int, new: int) -> float:
-        reqs = [GenerationRequest(f"c{i}", random_ids(rng, prompt, vocab),
-                                  SamplingParams(max_new_tokens=new)) for i in range(BATCH)]
-        t0 = time.perf_counter()
-        engine.generate(reqs)
-        return time.perf_counter() - t0
-
-    timed(64, 4)  # warm-up
-    p = TASKS["obs"].first_prompt
-    t_prefill = min(timed(p, 1) for _ in range(2))
-    n = TASKS["reason"].new_tokens
-    t_decode = min(timed(TASKS["reason"].first_prompt, n) for _ in range(2))
-    return t_prefill / (BATCH * p), t_decode / (BATCH * n)
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3),
+            "max": round(max(xs), 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes-per-task", type=int, default=12)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threshold-s", type=float, default=0.5, help="stickiness imbalance")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dilation", type=float, default=1.0,
-                    help="smallest emulation factor (>= 1): > 1 leaves the CPU more idle")
+    ap.add_argument("--obs-prompt", type=int, default=TASKS["obs"].first_prompt)
+    ap.add_argument("--obs-tokens", type=int, default=TASKS["obs"].obs_tokens)
+    ap.add_argument("--model-params", type=float, default=7e9, help="modelled model size")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="wall s per modelled s")
+    ap.add_argument("--forward", choices=("none", "real"), default="none",
+                    help="run the tiny model's real forward pass under the modelled time")
+    ap.add_argument("--run-iterations", type=int, default=12,
+                    help="full training run per policy (0: skip; benchmarks/affinity_run.py)")
+    ap.add_argument("--run-config", default="configs/affinity-mix.yaml")
     ap.add_argument("--out", default="results/affinity.json")
     args = ap.parse_args()
+    TASKS["obs"] = TaskSpec("obs", args.obs_prompt, args.obs_tokens, TASKS["obs"].new_tokens)
 
     torch.set_num_threads(1)  # one core per replica thread
-    sys.setswitchinterval(0.0005)  # decode steps are many short GIL holds; don't make them queue
     tok = build_tokenizer([f"turn {i}: observation and answer text" for i in range(50)], 320)
     mcfg = TinyModelConfig(hidden_size=128, num_heads=2, num_kv_heads=2, num_layers=2,
-                           intermediate_size=512, max_position=4096)
+                           intermediate_size=512, max_position=8192)
     model = build_tiny_model(mcfg, tok, args.seed).eval()
-    params = param_count(model)
-    # the GPU cost model: bf16 weights, BATCH rows share each decode step's weight read
-    cost = CostModel.for_model(params, bytes_per_param=2.0, decode_batch=BATCH)
-
-    real = [DEFAULT_CATALOG["H800"], DEFAULT_CATALOG["H20"]]
-    host_p, host_d = calibrate(HFEngine(model, tok, eos_token_ids=[]), len(tok))
-    slow = host_matched_slowdowns(real, cost.flops_per_token, cost.bytes_per_token, host_p,
-                                  host_d, args.dilation)
+    # the GPU cost model of the modelled model: bf16 weights, BATCH rows share a decode step
+    cost = CostModel.for_model(args.model_params, bytes_per_param=2.0, decode_batch=BATCH,
+                               time_scale=args.time_scale)
     specs, engines = [], {}
-    for i, cls in enumerate(real):
+    for i, cls in enumerate([DEFAULT_CATALOG["H800"], DEFAULT_CATALOG["H20"]]):
         rid = f"{cls.name.lower()}-{i}"
-        specs.append(ReplicaSpec(rid, emulated_class(
-            cls, cost.flops_per_token, cost.bytes_per_token, host_p, host_d, slow[cls.name])))
+        specs.append(ReplicaSpec(rid, cls))
+        sm = ServiceModel(cls, params=args.model_params, bytes_per_param=2.0,
+                          time_scale=args.time_scale, forward=args.forward == "real")
         engines[rid] = HFEngine(copy.deepcopy(model), tok, eos_token_ids=[], seed=i,
-                                max_batch_size=BATCH, emulate=slow[cls.name])
+                                max_batch_size=BATCH, emulate=sm)
 
     runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
     for rep in range(args.repeats):
@@ -301,47 +312,67 @@ def main() -> None:
             r = run_policy(policy, engines, specs, cost, args.episodes_per_task, args.turns,
                            len(tok), args.seed + rep, args.threshold_s)
             runs[policy].append(r)
-            print(f"  rep {rep} {policy:12s} wall {r['wall_s']:6.2f} s  "
-                  f"{r['gen_tokens_per_s']:7.1f} gen tok/s  {r['decisions']} "
-                  f"busy {[v['busy_s'] for v in r['replicas'].values()]} "
-                  f"scale {r['router_scale']}", flush=True)
+            print(f"  rep {rep} {policy:12s} wall {r['wall_s']:6.2f} s  {r['decisions']} "
+                  f"placed {r['placed_turns']} busy "
+                  f"{[v['busy_s'] for v in r['replicas'].values()]} overrun "
+                  f"{[v['overrun_s'] for v in r['replicas'].values()]}", flush=True)
 
-    def summary(rs: list[dict]) -> dict:
-        med = sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2]
-        return {"wall_s": round(med["wall_s"], 3),
-                "wall_s_runs": [round(r["wall_s"], 3) for r in rs],
-                "gen_tokens_per_s": round(med["gen_tokens_per_s"], 1),
-                **{k: v for k, v in med.items() if k not in ("wall_s", "gen_tokens_per_s")}}
-
-    policies = {p: summary(rs) for p, rs in runs.items()}
-    rr = policies["round_robin"]["wall_s"]
-    speedups = {p: round(rr / s["wall_s"], 3) for p, s in policies.items()}
+    speedups = {p: [rr["wall_s"] / x["wall_s"] for rr, x in zip(runs["round_robin"], rs,
+                                                                 strict=True)]
+                for p, rs in runs.items()}
+    policies = {p: {"wall_s": spread([r["wall_s"] for r in rs]),
+                    "wall_s_runs": [round(r["wall_s"], 3) for r in rs],
+                    "speedup_vs_round_robin_runs": [round(x, 3) for x in speedups[p]],
+                    "decisions_runs": [r["decisions"] for r in rs],
+                    "placed_turns_runs": [r["placed_turns"] for r in rs],
+                    "runs": rs} for p, rs in runs.items()}
+    aff = spread(speedups["affinity"])
     out = {
         "benchmark": "affinity",
         "what": "one iteration (all episodes, all turns) of a 50/50 prefill-/decode-heavy mix on "
-                "emulated H800-like + H20-like HF engine replicas; median of repeats",
-        "model_params": params,
+                "emulated H800 + H20 HF engine replicas (modelled service time spent as sleep); "
+                "speedup per repeat = round robin wall / affinity wall",
+        "command": "python " + " ".join(sys.argv),
         "workload": {"episodes_per_task": args.episodes_per_task, "turns": args.turns,
                      "tasks": {t.name: vars(t) for t in TASKS.values()}, "batch": BATCH,
                      "imbalance_threshold_s": args.threshold_s, "repeats": args.repeats},
-        "host": {"prefill_us_per_token": round(host_p * 1e6, 2),
-                 "decode_us_per_token": round(host_d * 1e6, 2),
-                 "relative_slowdowns": {c: vars(x) for c, x in emulation_slowdowns(real).items()},
-                 "torch_threads_per_replica": 1, "cpus": os.cpu_count()},
-        "emulation": {"dilation": args.dilation, **{c: vars(s) for c, s in slow.items()}},
+        "emulation": {"mode": "modelled", "model_params": args.model_params,
+                      "bytes_per_param": 2.0, "time_scale": args.time_scale,
+                      "forward": args.forward, "served_model_params": param_count(model)},
+        "host": {"cpus": os.cpu_count(), "torch_threads_per_replica": 1},
         "replicas": {s.replica_id: s.hw.model_dump() for s in specs},
+        "correction_bound": round(Router(specs, cost).correction_bound, 5),
         "policies": policies,
-        "speedup_vs_round_robin": speedups["affinity"],
-        "speedup_vs_round_robin_by_policy": speedups,
-        "goal": 1.3,
+        "speedup_vs_round_robin_min": aff["min"],
+        "speedup_vs_round_robin": aff["median"],
+        "speedup_vs_round_robin_max": aff["max"],
+        "speedup_vs_round_robin_runs": [round(x, 3) for x in speedups["affinity"]],
+        "least_loaded_vs_round_robin": spread(speedups["least_loaded"]),
+        "goal": {"speedup_vs_round_robin_min": 1.3, "run_speedup_vs_round_robin": 1.2},
     }
+    run_line = ""
+    if args.run_iterations > 0:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from affinity_run import measure_runs
+
+        run = measure_runs(args.run_config, args.run_iterations, args.seed)
+        out["run"] = run
+        out["run_speedup_vs_round_robin"] = run["speedup"]
+        out["run_speedup_vs_round_robin_mean"] = run["speedup_mean_after_first"]
+        run_line = (f"; full run ({args.run_iterations} iterations) median iteration "
+                    f"affinity {run['affinity']['iteration_s']['median']:.2f} s vs round robin "
+                    f"{run['round_robin']['iteration_s']['median']:.2f} s: "
+                    f"{run['speedup']:.2f}x (mean after the first "
+                    f"{run['speedup_mean_after_first']:.2f}x)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"affinity: {2 * args.episodes_per_task} episodes x {args.turns} turns; wall "
-          + ", ".join(f"{p} {s['wall_s']:.2f} s ({s['gen_tokens_per_s']:.0f} tok/s)"
-                      for p, s in policies.items())
-          + f"; speedup vs round robin {speedups['affinity']:.2f}x (least_loaded "
-          f"{speedups['least_loaded']:.2f}x) -> {args.out}")
+    print(f"affinity: {2 * args.episodes_per_task} episodes x {args.turns} turns, "
+          f"{args.repeats} repeats: speedup vs round robin min {aff['min']:.2f}x (median "
+          f"{aff['median']:.2f}x, max {aff['max']:.2f}x; wall affinity "
+          f"{policies['affinity']['wall_s']['median']:.2f} s, round robin "
+          f"{policies['round_robin']['wall_s']['median']:.2f} s, least loaded "
+          f"{policies['least_loaded']['wall_s']['median']:.2f} s)" + run_line
+          + f" -> {args.out}")
 
 
 if __name__ == "__main__":

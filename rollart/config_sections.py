@@ -146,13 +146,26 @@ class SlowdownConfig(_Strict):
 
 class EmulationConfig(_Strict):
     """Emulated heterogeneity (benchmarks): on one CPU host every engine pool is the same
-    hardware, so each replica sleeps (factor - 1) x its measured prefill / decode compute time.
-    Off by default; never on in a real cluster."""
+    hardware. Off by default; never on in a real cluster (HF engine only).
+    mode `modelled`: every forward pass takes the cost model's time for the replica's class
+    (rollart.routing.emulation.ServiceModel), spent as sleep; the real pass still runs unless
+    `forward: false`. mode `slowdown` (legacy): sleep (factor - 1) x the measured pass time."""
 
     enabled: bool = False
-    # Explicit factors per class; classes not listed get factors derived from `hardware`
-    # (rollart.routing.catalog.emulation_slowdowns: fastest class per phase = 1).
+    mode: Literal["modelled", "slowdown"] = "modelled"
+    model_params: float | None = Field(None, gt=0.0)  # modelled model size; None: the served one
+    bytes_per_param: float = Field(2.0, gt=0.0)  # modelled weights (bf16)
+    time_scale: float = Field(1.0, gt=0.0)  # wall seconds per modelled second
+    forward: bool = True  # run the real forward pass (real tokens and log-probs)
+    # slowdown mode: explicit factors per class; classes not listed get factors derived from
+    # `hardware` (rollart.routing.catalog.emulation_slowdowns: fastest class per phase = 1).
     factors: dict[str, SlowdownConfig] = {}
+
+    @model_validator(mode="after")
+    def _check(self) -> EmulationConfig:
+        if self.factors and self.mode != "slowdown":
+            raise ValueError("routing.emulation.factors apply to mode: slowdown only")
+        return self
 
 
 class RoutingConfig(_Strict):
@@ -166,6 +179,9 @@ class RoutingConfig(_Strict):
     prefix_cache: bool | None = None  # engines reuse cached prefixes; None: from engine.backend
     decode_batch: int = Field(8, gt=0)  # rows sharing one weight read per decode step (cost model)
     profile_alpha: float = Field(0.2, gt=0.0, le=1.0)  # EMA weight of task profiles
+    # Online correction: how far one replica's estimates may move relative to the others' (see
+    # rollart.routing.router); None: derived from the pools' classes (H800 + H20: 1.045).
+    correction_bound: float | None = Field(None, ge=1.0)
     emulation: EmulationConfig = EmulationConfig()
 
 

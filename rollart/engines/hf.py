@@ -24,15 +24,19 @@ Finishing, per row: the eos token (`<|im_end|>`, kept) -> "eos"; a stop string a
 decoded generated text -> "stop" (tokens kept up to and including the token that completed it);
 `max_new_tokens` reached -> "length"; aborted -> "abort" (see `abort`).
 
-Emulated hardware (`emulate=Slowdown(prefill, decode)`, benchmarks only, off by default): on one
-CPU host every engine is the same hardware, so to make routing between "compute" and "bandwidth"
-pools measurable each forward pass is timed and followed by a sleep of (factor - 1) x that time,
-with the prefill factor for the prompt pass and the decode factor for every decode step. The
-replica is then `factor` times slower per phase, and the sleep releases the GIL and the cores, as
-a separate slower device would. Factors come from the hardware catalog
-(rollart.routing.catalog: emulation_slowdowns, or host_matched_slowdowns to also keep the GPUs'
-decode/prefill cost ratio). Timing assumes synchronous (CPU) execution; a host busy with other
-work stretches the measured time, and the sleep stretches it by the same factor.
+Emulated hardware (benchmarks only, off by default): on one CPU host every engine is the same
+hardware, so to make routing between "compute" and "bandwidth" pools measurable the engine can
+play a hardware class.
+- `emulate=ServiceModel(...)` (rollart.routing.emulation; the default of `routing.emulation`):
+  every forward pass takes the cost model's time for the class (prefill: prompt tokens x FLOPs
+  per token / FLOP/s; decode step: weight bytes / bandwidth, shared by the batch's rows), spent
+  as one sleep at the end of each batch, up to the modelled end of all its passes, so the real
+  passes' CPU time is subtracted (any excess is counted in `emulated_overrun_s`).
+  `forward=False` skips the real pass (uniform logits). The service time then depends on token
+  counts only, not on the host's load.
+- `emulate=Slowdown(prefill, decode)` (legacy): each pass is followed by a sleep of
+  (factor - 1) x its measured time. A host busy with other work stretches the measured time, and
+  the sleep stretches it by the same factor (issue 21: contention then decides the benchmark).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from rollart.engines.base import AbortSet, engine_stats
 from rollart.routing.catalog import Slowdown
+from rollart.routing.emulation import ServiceModel
 from rollart.types import Completion, GenerationRequest
 
 
@@ -106,7 +111,7 @@ class HFEngine:
         weight_version: int = 0,
         eos_token_ids: Iterable[int] | None = None,
         device: torch.device | str | None = None,
-        emulate: Slowdown | None = None,
+        emulate: Slowdown | ServiceModel | None = None,
     ):
         if threads is not None:
             torch.set_num_threads(threads)
@@ -125,7 +130,10 @@ class HFEngine:
         self.is_sleeping = False
         self._lock = threading.Lock()  # one generate / update_weights at a time
         self._aborted = AbortSet()
-        self.emulate = emulate  # emulated hardware slowdowns (see module docstring); None: off
+        if isinstance(emulate, ServiceModel):  # params unset: time the served model itself
+            emulate = emulate.with_params(sum(p.numel() for p in model.parameters()))
+        self.emulate = emulate  # emulated hardware (see module docstring); None: off
+        self._deadline = 0.0  # ServiceModel emulation: modelled end of the passes so far
         self._stats = {
             "requests": 0.0,
             "tokens_generated": 0.0,
@@ -135,8 +143,12 @@ class HFEngine:
             "aborted": 0.0,
             "sleeps": 0.0,
             "weight_updates": 0.0,
-            "emulated_prefill_s": 0.0,  # sleep added by emulation (included in generate_s)
+            "emulated_prefill_s": 0.0,  # Slowdown: sleep added (included in generate_s)
             "emulated_decode_s": 0.0,
+            "emulated_sleep_s": 0.0,  # ServiceModel: sleep added (included in generate_s)
+            "emulated_modelled_s": 0.0,  # ServiceModel: modelled service time of every pass
+            "emulated_overrun_s": 0.0,  # ServiceModel: real passes that outran the modelled time
+            "forward_s": 0.0,  # time inside the real forward passes
         }
 
     # ---------------------------------------------------------------- contract
@@ -182,22 +194,41 @@ class HFEngine:
     def _forward(self, input_ids: Tensor, mask: Tensor, pos: Tensor, cache: DynamicCache,
                  phase: str = "decode") -> Tensor:
         t0 = time.perf_counter()
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=pos.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :].float()  # [A, V]
-        if self.emulate is not None:
-            factor = self.emulate.prefill if phase == "prefill" else self.emulate.decode
+        em = self.emulate
+        pass_s = 0.0
+        if isinstance(em, ServiceModel) and not em.forward:
+            logits = torch.zeros((input_ids.shape[0], self._vocab()))  # uniform: no real pass
+        else:
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=pos.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :].float()  # [A, V]
+            pass_s = time.perf_counter() - t0
+            self._stats["forward_s"] += pass_s
+        if isinstance(em, ServiceModel):  # the batch sleeps until the sum once, at its end
+            rows = int(input_ids.shape[0])
+            t = em.prefill_s(int(mask.sum())) if phase == "prefill" else em.decode_step_s(rows)
+            self._deadline += t
+            self._stats["emulated_modelled_s"] += t
+        elif em is not None:
+            factor = em.prefill if phase == "prefill" else em.decode
             if factor > 1.0:
-                extra = (factor - 1.0) * (time.perf_counter() - t0)
+                extra = (factor - 1.0) * pass_s
                 time.sleep(extra)
                 self._stats[f"emulated_{phase}_s"] += extra
         return logits
+
+    def _vocab(self) -> int:
+        emb = self.model.get_output_embeddings() if hasattr(
+            self.model, "get_output_embeddings") else None
+        if emb is not None and hasattr(emb, "out_features"):
+            return int(emb.out_features)
+        return int(self.model.config.vocab_size)
 
     @staticmethod
     def _allowed_mask(reqs: list[GenerationRequest], vocab: int) -> Tensor | None:
@@ -233,6 +264,8 @@ class HFEngine:
                 finish[b] = "length"
         active = [b for b in range(B) if finish[b] is None]  # batch row -> request index
 
+        self._deadline = time.perf_counter()  # ServiceModel emulation: the batch starts now
+        real_pass = not (isinstance(self.emulate, ServiceModel) and not self.emulate.forward)
         if active:
             input_ids, mask, pos = left_pad([reqs[b].prompt_ids for b in active], self.pad_id)
             temperature = torch.tensor([reqs[b].params.temperature for b in active])  # [A]
@@ -268,7 +301,8 @@ class HFEngine:
                     break
                 if len(keep) < len(active):  # drop finished rows from every batched state
                     sel = torch.tensor(keep, dtype=torch.long)
-                    cache.batch_select_indices(sel.to(self.device))
+                    if real_pass:
+                        cache.batch_select_indices(sel.to(self.device))
                     mask, next_pos, tokens = mask[sel], next_pos[sel], tokens[sel.to(tokens.device)]
                     temperature, top_p = temperature[sel], top_p[sel]
                     allowed = allowed[sel] if allowed is not None else None
@@ -279,6 +313,16 @@ class HFEngine:
                     logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
                 next_pos = next_pos + 1
 
+        if isinstance(self.emulate, ServiceModel) and active:
+            # One sleep per batch, until the modelled end of all its passes: only the batch's
+            # return is visible outside, and one wake-up (not one per decode step) keeps the
+            # timing exact on a loaded host. Real passes that outran the model: overrun.
+            now = time.perf_counter()
+            if self._deadline > now:
+                time.sleep(self._deadline - now)
+                self._stats["emulated_sleep_s"] += self._deadline - now
+            else:
+                self._stats["emulated_overrun_s"] += now - self._deadline
         dt = time.perf_counter() - t0
         self._stats["batches"] += 1
         self._stats["requests"] += B

@@ -9,6 +9,7 @@ from rollart.routing.catalog import (
     emulation_slowdowns,
     host_matched_slowdowns,
 )
+from rollart.routing.emulation import ServiceModel
 from rollart.routing.profile import TaskProfiles
 from rollart.routing.router import (
     POLICIES,
@@ -18,6 +19,7 @@ from rollart.routing.router import (
     ReplicaSpec,
     Router,
     RouteRequest,
+    default_correction_bound,
 )
 
 __all__ = [
@@ -30,9 +32,11 @@ __all__ = [
     "ReplicaSpec",
     "RouteRequest",
     "Router",
+    "ServiceModel",
     "Slowdown",
     "TaskProfiles",
     "default_catalog",
+    "default_correction_bound",
     "emulated_class",
     "emulation_slowdowns",
     "host_matched_slowdowns",

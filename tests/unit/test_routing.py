@@ -219,7 +219,8 @@ def test_config_engine_pools_hardware_merge_and_router():
     cfg = load_config("configs/default.yaml", [
         "cluster.engine_pools={H800: 1, H20: 2}", "hardware.H20.relative_cost=0.5",
         "hardware.B200={peak_tflops: 2250, mem_bw_gbs: 8000, memory_gb: 180}",
-        "routing.emulation.enabled=true", "routing.emulation.factors={H20: {prefill: 5}}"])
+        "routing.emulation.enabled=true", "routing.emulation.mode=slowdown",
+        "routing.emulation.factors={H20: {prefill: 5}}"])
     assert cfg.cluster.engine_classes() == ["H800", "H20", "H20"]
     assert cfg.hardware["H20"].relative_cost == 0.5 and cfg.hardware["H20"].peak_tflops == 148
     assert cfg.hardware["B200"].name == "B200"
@@ -238,7 +239,11 @@ def test_config_engine_pools_hardware_merge_and_router():
     (["cluster.engine_pools={X: 1}", "cluster.workers.X=1"], "add hardware.X"),
     (["routing.policy=random"], "'routing.policy'"),
     (["routing.emulation.factors={H20: {decode: 0.5}}"], "greater than or equal to 1"),
-    (["routing.emulation.factors={Z: {prefill: 2}}"], "not in hardware"),
+    (["routing.emulation.mode=slowdown", "routing.emulation.factors={Z: {prefill: 2}}"],
+     "not in hardware"),
+    (["routing.emulation.factors={H20: {prefill: 2}}"], "apply to mode: slowdown only"),
+    (["routing.emulation.time_scale=0"], "'routing.emulation.time_scale'"),
+    (["routing.correction_bound=0.5"], "'routing.correction_bound'"),
     (["hardware.H20.name=H800"], "must equal its key"),
 ])
 def test_bad_affinity_config_is_one_line(overrides, fragment):
@@ -249,14 +254,76 @@ def test_bad_affinity_config_is_one_line(overrides, fragment):
 
 def test_online_correction_scales_estimates_from_measured_batches():
     r = twins()
-    d = r.route(req("a1", "e1", task="x", new_tokens=0, decode_tokens=1000))  # 0.597 s raw
-    r.on_batch("a", ["a1"], busy_s=3 * d.est_service_s)  # the replica ran 3x slower
-    r.on_finished("a1")
-    assert r.metrics()["router/scale/a"] == pytest.approx(3.0)
-    again = req("a2", "e2", task="x", new_tokens=0, decode_tokens=1000)
+    assert r.correction_bound == 2.0  # one class: replicas may differ by up to 2^2
+    da = r.route(req("a1", "e1", task="x", new_tokens=0, decode_tokens=1000))  # 0.597 s raw
+    db = r.route(req("b1", "e2", task="x", new_tokens=0, decode_tokens=1000))
+    assert (da.replica_id, db.replica_id) == ("a", "b")
+    r.on_batch("a", ["a1"], busy_s=3 * da.est_service_s)  # a ran 3x slower than estimated
+    m = r.metrics()
+    # one replica measured: the common part is its ratio, and the unmeasured one shares it
+    # (it must not look 3x faster just because it has not reported yet)
+    assert m["router/scale/a"] == pytest.approx(3.0) and m["router/scale/b"] == pytest.approx(3.0)
+    r.on_batch("b", ["b1"], busy_s=db.est_service_s)  # b as estimated
+    for i in ("a1", "b1"):
+        r.on_finished(i)
+    m = r.metrics()
+    # common g = sqrt(3 x 1); relative 3 / g = 1.732 and 1 / g = 0.577, inside [1/2, 2]
+    assert m["router/correction/common"] == pytest.approx(3 ** 0.5)
+    assert m["router/scale/a"] == pytest.approx(3.0) and m["router/scale/b"] == pytest.approx(1.0)
+    again = req("a2", "e3", task="x", new_tokens=0, decode_tokens=1000)
     assert r.service_s(again, "a") == pytest.approx(3 * r.service_s(again, "b"))
     # ... so the next request prefers the replica that is really faster
     assert r.route(again).replica_id == "b"
+
+
+def _teach(r: Router, ratios: dict[str, float]) -> None:
+    """Report one finished batch per replica whose measured time is `ratio` x its estimate."""
+    for rid, ratio in ratios.items():
+        work = PREFILL_HEAVY if rid == "h800" else DECODE_HEAVY  # lands on rid when idle
+        d = r.route(req(f"teach-{rid}-{r.metrics()['router/new']}", f"teach-{rid}", **work))
+        assert d.replica_id == rid
+        r.on_batch(rid, [d.request_id], ratio * d.est_service_s / r.metrics()[
+            f"router/scale/{rid}"])
+        r.on_finished(d.request_id)
+        r.on_episode_end(f"teach-{rid}")
+
+
+def test_bounded_correction_cannot_reverse_the_class_cost_model():
+    """Default catalog, 1B bf16 model, idle pools. Hand-computed service times:
+    prefill-heavy (4000 prefill + 10 decode tokens): H800 14.059 ms, H20 59.054 ms (4.20x);
+    decode-heavy (100 + 1000): H800 597.21 ms, H20 501.35 ms (H20 1.191x faster).
+    Bound b = (4000 / 3350) ** 0.25 = 1.04533: relative correction at most b^2 = 1.0927 < 1.191."""
+    b = (4000 / 3350) ** 0.25
+    assert hetero().correction_bound == pytest.approx(b) == pytest.approx(1.04533, rel=1e-5)
+    for ratios in ({"h800": 0.1, "h20": 10.0}, {"h800": 10.0, "h20": 0.1},
+                   {"h800": 1e3, "h20": 1e-3}, {"h800": 1e-3, "h20": 1e3}):
+        r = hetero()
+        for _ in range(5):  # repeated contended batches, the EMA converges to the ratios
+            _teach(r, ratios)
+        m = r.metrics()
+        g = (ratios["h800"] * ratios["h20"]) ** 0.5
+        assert m["router/correction/common"] == pytest.approx(g)
+        hi, lo = ("h20", "h800") if ratios["h20"] > ratios["h800"] else ("h800", "h20")
+        assert m[f"router/scale/{hi}"] == pytest.approx(g * b)  # clamped at the bound
+        assert m[f"router/scale/{lo}"] == pytest.approx(g / b)
+        p = r.route(req("p", "ep", **PREFILL_HEAVY))
+        d = r.route(req("d", "ed", **DECODE_HEAVY))
+        assert (p.replica_id, p.hw_class) == ("h800", "H800"), ratios
+        assert (d.replica_id, d.hw_class) == ("h20", "H20"), ratios
+        # worst case for the decode-heavy turn (H20 penalised): H20 at g x b, 501.35 ms x 1.04533
+        # = 524.08 ms x g, against the H800 at g / b, 597.21 ms / 1.04533 = 571.31 ms x g
+        if hi == "h20":
+            assert d.est_service_s / g == pytest.approx(0.52408, rel=1e-4)
+            assert r.service_s(req("q", "eq", **DECODE_HEAVY), "h800") / g == pytest.approx(
+                0.57131, rel=1e-4)
+
+
+def test_unbounded_correction_would_reverse_it():
+    """The same contended measurements without the bound (the old per-replica scalar): the H20
+    looks 10 / 0.1 = 100x slower and takes neither turn, against the hardware."""
+    r = hetero(correction_bound=1e6)
+    _teach(r, {"h800": 0.1, "h20": 10.0})
+    assert r.route(req("d", "ed", **DECODE_HEAVY)).replica_id == "h800"
 
 
 def test_host_matched_slowdowns_keep_the_gpu_cost_ratios():
@@ -274,6 +341,56 @@ def test_host_matched_slowdowns_keep_the_gpu_cost_ratios():
     assert (cost.service_s(emu["H800"], 0, 1) / cost.service_s(emu["H800"], 1, 0)
             == pytest.approx(989 / 3.35 / 8))
     assert cost.service_s(emu["H800"], 1, 0) == pytest.approx(50e-6 * s["H800"].prefill)
+
+
+# ---------------------------------------------------------------- batching (issue 21)
+
+# 1B bf16 with 8 rows per engine batch: a decode step reads 2 GB once for the whole batch.
+BATCHED = CostModel.for_model(1e9, bytes_per_param=2.0, decode_batch=8)
+
+
+def test_batch_cost_is_the_longest_row_at_a_full_step_hand_computed():
+    # H800, 8 rows: 4 x (1000 prefill, 8 decode) + 4 x (16, 128):
+    # prefill (4000 + 64) x 2e9 / 989e12 = 8.2184 ms; decode 128 x 2e9 / 3.35e12 = 76.418 ms
+    rows = [(1000, 8)] * 4 + [(16, 128)] * 4
+    assert BATCHED.batch_s(H800, rows) == pytest.approx(8.2184e-3 + 76.418e-3, rel=1e-4)
+    # the same rows split by task: 2 batches, 8.0890 + 4.7761 ms and 0.1294 + 76.418 ms
+    assert (BATCHED.batch_s(H800, [(1000, 8)] * 4) + BATCHED.batch_s(H800, [(16, 128)] * 4)
+            == pytest.approx(12.865e-3 + 76.547e-3, rel=1e-4))
+    # a full batch of equal rows costs the sum of the per-request shares
+    assert BATCHED.batch_s(H20, [(16, 128)] * 8) == pytest.approx(
+        8 * BATCHED.service_s(H20, 16, 128))
+    # 9 rows: a second batch
+    assert BATCHED.batch_s(H20, [(0, 128)] * 9) == pytest.approx(2 * 128 * 2e9 / 4e12)
+
+
+def test_affinity_batches_like_with_like():
+    """A decode-heavy turn arrives while the H800 holds 3 queued prefill-heavy turns and the H20
+    one running batch of 8 decode-heavy turns (on_started). Hand-computed (1B bf16, batch 8):
+    - H800: wait 3 x 1000 x 2e9 / 989e12 + 8 x 2e9 / 3.35e12 = 6.0667 + 4.7761 = 10.843 ms;
+      joining that batch stretches its decode from 8 to 128 steps: +120 x 0.59701 ms + 0.032 ms
+      prefill = 71.674 ms, inflicted on the 3 queued rows too: cost 10.843 + 4 x 71.674 =
+      297.54 ms (earliest finish alone: 10.843 + 71.674 = 82.52 ms);
+    - H20: wait 128 x 2e9 / 4e12 + 8 x 16 x 2e9 / 148e12 = 64 + 1.7297 = 65.730 ms (the running
+      batch takes no new rows); a new batch for it: 64.216 ms; cost 129.95 ms.
+    Earliest finish alone would pick the H800 (82.52 < 129.95); affinity picks the H20."""
+    r = Router([ReplicaSpec("h800", H800), ReplicaSpec("h20", H20)], BATCHED)
+    for i in range(3):
+        assert r.route(req(f"p{i}", f"p{i}", task="obs", new_tokens=1000, decode_tokens=8)
+                       ).replica_id == "h800"
+    for i in range(8):
+        assert r.route(req(f"d{i}", f"d{i}", task="reason", new_tokens=16, decode_tokens=128)
+                       ).replica_id == "h20"
+    r.on_started("h20", [f"d{i}" for i in range(8)])
+    assert r.wait_s("h800") == pytest.approx(10.843e-3, rel=1e-4)
+    assert r.wait_s("h20") == pytest.approx(65.730e-3, rel=1e-4)
+    new = req("d8", "d8", task="reason", new_tokens=16, decode_tokens=128)
+    assert r.service_s(new, "h800") == pytest.approx(71.674e-3, rel=1e-4)
+    assert r.service_s(new, "h20") == pytest.approx(64.216e-3, rel=1e-4)
+    assert r._finish_s(new, "h800") == pytest.approx(297.54e-3, rel=1e-4)
+    assert r._finish_s(new, "h20") == pytest.approx(129.95e-3, rel=1e-4)
+    d = r.route(new)
+    assert (d.replica_id, d.est_wait_s) == ("h20", pytest.approx(65.730e-3, rel=1e-4))
 
 
 def test_decision_carries_the_replica_index():
@@ -301,5 +418,6 @@ def test_turn_router_returns_engine_indices_and_reports_batches_by_index():
     tr.served(2, ["r2"], busy_s=3 * est)  # engine 2 ran 3x slower than estimated
     m = tr.metrics()
     assert m["rollout/router/scale/engine-2"] == pytest.approx(3.0)
-    assert m["rollout/router/scale/engine-1"] == 1.0
+    # the unmeasured engines share the common part of the correction (issue 21)
+    assert m["rollout/router/scale/engine-1"] == pytest.approx(3.0)
     assert m["rollout/router/wait_s/engine-2"] == 0.0  # r2 left the queue
