@@ -1,0 +1,321 @@
+"""The full system in simulated time: the real scheduler and the real Router over priced pools.
+
+`SystemSimulation` is `Simulation` (rollart/sim/simulator.py: the real `RolloutScheduler`, its
+episodes, batcher and trainer events) with the constants replaced by models (rollart/sim/cluster):
+
+    episode   env start-up (attempts, failures, timeouts) -> [route -> queue -> generate call ->
+              env step]* -> reward scoring (fixed pool or serverless) -> counted in a batch
+    routing   every turn goes through the real `Router` (affinity / round robin / least loaded,
+              sticky replicas, spill, failover) with the real `TaskProfiles` feeding it decode
+              lengths; calls report back `on_batch` / `on_finished`, as the service does
+    engines   a call's time from the replica's class (PoolModel: cost model, roofline, efficiency);
+              a prefix-cache hit when the turn lands where the episode's last turn ran
+    trainer   the update starts when the batch's rewards are in; update time from tokens and GPUs
+              (TrainModel), sync from weight bytes and bandwidth (SyncModel); colocated engines
+              serve nothing during an update
+    failures  `fail_replica(t, index, down_s)`: the router's on_failed; lost turns re-routed
+
+Per step it attributes the trainer's critical path: the wait for the batch is split over the
+last-finishing episode's life (env start-up, generation incl. queueing, env steps; any part of
+the wait before that episode existed is idle), then reward wait, training, sync.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from rollart.rollout.scheduler import Cancel, Start
+from rollart.routing.profile import TaskProfiles
+from rollart.routing.router import ReplicaSpec, Router, RouteRequest
+from rollart.sim.cluster import SystemConfig
+from rollart.sim.rewards import RewardPool
+from rollart.sim.simulator import Planner, SimResult, Simulation, _Engine, _Episode
+
+PARTS = ("generation", "env_step", "env_startup", "reward", "training", "sync", "idle")
+
+
+@dataclass
+class _Life:
+    """What one episode spent its time on (for the step breakdown)."""
+
+    start: float
+    startup_s: float = 0.0
+    gen_s: float = 0.0  # queued for or inside generate calls
+    env_s: float = 0.0
+    end: float = 0.0
+    tokens: float = 0.0  # prompt + generated tokens of the whole conversation
+
+
+@dataclass
+class SystemResult:
+    sim: SimResult
+    steps: list[dict[str, float]]  # per update: step_s and seconds per PARTS entry
+    pool_util: dict[str, float]  # engine pools and the trainer: busy fraction of wall
+    router: dict[str, float]
+    reward: dict[str, float]
+    events: int  # rollout-service events (routes, completions, env steps, episode lifecycle)
+
+    def mean_step(self, skip: int = 1) -> dict[str, float]:
+        """Mean step time and breakdown over updates after the first `skip` (warm-up)."""
+        steps = self.steps[skip:] or self.steps
+        keys = ["step_s", *PARTS]
+        return {k: sum(s[k] for s in steps) / len(steps) for k in keys}
+
+    def summary(self) -> dict[str, Any]:
+        m = self.mean_step()
+        return {"step_s": m["step_s"],
+                "breakdown": {k: m[k] / m["step_s"] if m["step_s"] else 0.0 for k in PARTS},
+                "wall_s": self.sim.wall_s, "updates": self.sim.updates,
+                "pool_util": self.pool_util,
+                "events_per_s": self.events / self.sim.wall_s if self.sim.wall_s else 0.0,
+                "router": self.router, "reward": self.reward,
+                "mean_staleness": self.sim.summary()["mean_staleness"],
+                "counters": self.sim.counters}
+
+
+class SystemSimulation(Simulation):
+    def __init__(self, cfg: SystemConfig, plan: Planner | None = None) -> None:
+        super().__init__(cfg.sim, plan)
+        self.scfg = cfg
+        self.tasks = {t.name: t for t in cfg.sim.tasks}
+        self.pool_of: list[int] = []
+        self.hw = []
+        specs = []
+        for p_i, pool in enumerate(cfg.pools):
+            hw = pool.replica_class(cfg.catalog)
+            for _ in range(pool.replicas):
+                specs.append(ReplicaSpec(f"{pool.hw.lower()}-{len(specs)}", hw))
+                self.pool_of.append(p_i)
+                self.hw.append(hw)
+        self.rids = [s.replica_id for s in specs]
+        self.index = {rid: i for i, rid in enumerate(self.rids)}
+        self.engines = [_Engine() for _ in specs]
+        r = cfg.routing
+        self.cost = cfg.model.cost_model(cfg.pools[0].max_batch)
+        self.router = Router(specs, self.cost, policy=r.policy, sticky=r.sticky,
+                             imbalance_threshold_s=r.imbalance_threshold_s,
+                             prefix_cache=r.prefix_cache)
+        self.profiles = TaskProfiles(alpha=0.2)
+        self.env_rng = random.Random(cfg.sim.seed + 1)  # own streams: the plans stay the same
+        self.reward_rng = random.Random(cfg.sim.seed + 2)
+        self.rewards = RewardPool(cfg.reward) if cfg.reward else None
+        self.life: dict[str, _Life] = {}
+        self.reward_done: dict[str, float] = {}
+        # request id -> (queued at, prefill tokens, decode tokens, new prompt tokens)
+        self.turn: dict[str, tuple[float, float, float, float]] = {}
+        self.ctx: dict[str, tuple[float, float]] = {}  # episode id -> (context, new) tokens
+        self.inflight: dict[int, list[tuple[str, _Episode]] | None] = {}
+        self.call_dur: dict[int, float] = {}
+        self.events = 0
+        self.steps: list[dict[str, float]] = []
+        self._pending_step: dict[str, float] = {}
+        self._train_end = 0.0
+
+    # ---- episodes: env start-up, routing ---------------------------------------------------
+    def _launch(self, starts: list[Start]) -> None:
+        env = self.scfg.env
+        for st in starts:
+            ep = _Episode(st, self.plan(st, self.rng), 0)
+            self.live[st.episode_id] = ep
+            self.group_version[st.group_id] = st.version
+            self.life[st.episode_id] = life = _Life(self.now)
+            self.ctx[st.episode_id] = (0.0, float(self.tasks[st.task].first_prompt_tokens))
+            self.events += 1
+            if env is None:
+                self._request(ep)
+                continue
+            delay, ok = 0.0, False
+            for _ in range(env.max_attempts):
+                t = env.startup.sample(self.env_rng)
+                if self.env_rng.random() < env.startup_fail_prob:
+                    delay += env.startup_timeout_s  # noticed only when the start times out
+                    self.counters["env_startup_failures"] += 1
+                else:
+                    delay, ok = delay + t, True
+                    break
+            life.startup_s = delay
+            self._at(self.now + delay, self._env_ready if ok else self._startup_failed, ep)
+
+    def _env_ready(self, ep: _Episode) -> None:
+        if not ep.cancelled:
+            self._request(ep)
+
+    def _startup_failed(self, ep: _Episode) -> None:
+        if not ep.cancelled:
+            self._episode_over(ep, failed=True)
+
+    def _request(self, ep: _Episode) -> None:
+        eid, task = ep.start.episode_id, self.tasks[ep.start.task]
+        ctx, new = self.ctx[eid]
+        decode = ep.plan.decode[ep.step] if ep.plan.decode else task.decode_tokens
+        rid = f"{eid}#t{ep.step}"
+        prev = self.router.home(eid)
+        d = self.router.route(RouteRequest(
+            rid, eid, task.name, new_tokens=int(new), context_tokens=int(ctx),
+            decode_tokens=self.profiles.expected_decode_tokens(task.name, task.decode_tokens)))
+        hit = self.scfg.routing.prefix_cache and prev == d.replica_id
+        self.turn[rid] = (self.now, new + (0.0 if hit else ctx), float(decode), new)
+        ep.engine = self.index[d.replica_id]
+        self.engines[ep.engine].queue.append((rid, ep))
+        self.events += 1
+        self._wake(ep.engine)
+
+    def _cancel(self, cancels: list[Cancel]) -> None:
+        for c in cancels:
+            ep = self.live.get(c.episode_id)
+            if ep is None:
+                continue
+            for rid, other in self.engines[ep.engine].queue:
+                if other is ep:
+                    self.router.on_finished(rid)
+                    self.turn.pop(rid, None)
+            self.router.on_episode_end(c.episode_id)
+        super()._cancel(cancels)
+
+    def _episode_over(self, ep: _Episode, failed: bool) -> None:
+        eid = ep.start.episode_id
+        self.router.on_episode_end(eid)
+        self.life[eid].end = self.now
+        self.events += 1
+        if not failed and self.rewards is not None:
+            cost = self.scfg.reward.cost.sample(self.reward_rng)  # type: ignore[union-attr]
+            self.reward_done[eid] = self.rewards.submit(self.now, cost)
+            self.events += 2  # invoke, result
+        super()._episode_over(ep, failed)
+
+    # ---- engines ---------------------------------------------------------------------------
+    def _max_batch(self, e: int) -> int:
+        return self.scfg.pools[self.pool_of[e]].max_batch
+
+    def _call_s(self, e: int, items: list[tuple[str, _Episode]]) -> float:
+        pool, hw, m = self.scfg.pools[self.pool_of[e]], self.hw[e], self.scfg.model
+        flops, bw = hw.flops * pool.prefill_eff, hw.bandwidth * pool.decode_eff
+        f = self.cost.flops_per_token
+        prefill = sum(self.turn[rid][1] for rid, _ in items) * f / flops
+        decodes = sorted(self.turn[rid][2] for rid, _ in items)
+        if pool.decode == "per_row":
+            decode = sum(decodes) * self.cost.bytes_per_token / bw
+        else:  # roofline over decode steps; rows drop out as their answers end
+            decode, done = 0.0, 0.0
+            for j, d in enumerate(decodes):
+                rows = len(decodes) - j
+                step = max((m.weight_bytes + rows * m.kv_bytes_per_token) / bw, rows * f / flops)
+                decode += (d - done) * step
+                done = d
+        dur = pool.overhead_s + prefill + decode
+        self.inflight[e], self.call_dur[e] = items, dur
+        return dur
+
+    def _call_done(self, e: int, items: list[tuple[str, _Episode]]) -> None:
+        if self.inflight.get(e) is not items:
+            return  # the replica failed during the call: its turns were re-routed
+        self.inflight[e] = None
+        self.router.on_batch(self.rids[e], [rid for rid, _ in items], self.call_dur[e])
+        for rid, ep in items:
+            self.router.on_finished(rid)
+            queued, prefill, decode, new = self.turn.pop(rid)
+            self.events += 1
+            if ep.cancelled:
+                continue
+            eid = ep.start.episode_id
+            self.profiles.observe_turn(ep.start.task, int(prefill), int(decode))
+            ctx, _ = self.ctx[eid]
+            self.ctx[eid] = (ctx + new, decode + self.tasks[ep.start.task].obs_tokens)
+            life = self.life[eid]
+            life.gen_s += self.now - queued
+            life.env_s += ep.plan.step_s[ep.step]
+            life.tokens = ctx + new + decode
+            self.events += 1  # the env step
+        super()._call_done(e, items)
+
+    def fail_replica(self, t: float, index: int, down_s: float) -> None:
+        """Schedule replica `index` to fail at simulated time t and recover down_s later."""
+        self._at(t, self._replica_failed, index, down_s)
+
+    def _replica_failed(self, e: int, down_s: float) -> None:
+        eng = self.engines[e]
+        self.router.on_failed(self.rids[e])
+        lost = list(eng.queue) + list(self.inflight.get(e) or [])
+        eng.queue, eng.running, eng.call_end = [], 0, self.now
+        self.inflight[e] = None
+        self.counters["replica_failures"] += 1
+        for rid, ep in sorted(lost, key=lambda x: x[0]):
+            self.turn.pop(rid, None)
+            if not ep.cancelled:
+                self.counters["turns_failed_over"] += 1
+                self._request(ep)  # the router places it on a healthy replica ("failover")
+        self._at(self.now + down_s, lambda: self.router.on_recovered(self.rids[e]))
+
+    # ---- trainer ---------------------------------------------------------------------------
+    def _kept(self, batch: dict[str, list[str]]) -> list[str]:
+        return [eid for eids in batch.values() for eid in eids]
+
+    def _update_start(self, batch: dict[str, list[str]]) -> float:
+        kept = self._kept(batch)
+        start = max([self.now] + [self.reward_done.get(eid, self.now) for eid in kept])
+        wait = self.wait_s[-1]
+        last = self.life[max(kept, key=lambda eid: self.life[eid].end)]
+        life = last.end - last.start
+        part = {k: 0.0 for k in PARTS}
+        covered = min(wait, life)
+        if life > 0:
+            for k, v in (("env_startup", last.startup_s), ("generation", last.gen_s),
+                         ("env_step", last.env_s)):
+                part[k] = covered * v / life
+            # queueing for an env slot, retries after failures: the rest of its life
+            rest = life - last.startup_s - last.gen_s - last.env_s
+            part["idle"] += covered * max(0.0, rest) / life
+        part["idle"] += wait - covered
+        part["reward"] = start - self.now
+        self._pending_step = part
+        if self.scfg.colocated:
+            for eng in self.engines:
+                eng.paused_until = start + self._update_s(batch)
+        return start
+
+    def _update_s(self, batch: dict[str, list[str]]) -> float:
+        t = self.scfg.train
+        if t is None:
+            return self.cfg.trainer.update_s
+        tokens = sum(self.life[eid].tokens for eid in self._kept(batch))
+        return t.update_s(tokens, self.scfg.model.params, self.scfg.catalog)
+
+    def _sync_s(self) -> float:
+        s = self.scfg.sync
+        return self.cfg.trainer.sync_s if s is None else s.sync_s(self.scfg.model.weight_bytes)
+
+    def _train_done(self) -> None:
+        self._train_end = self.now
+        super()._train_done()
+
+    def _sync_done(self) -> None:
+        part = self._pending_step
+        part["training"] = self.trainer_busy_s - sum(s["training"] for s in self.steps)
+        part["sync"] = self.now - self._train_end
+        part["step_s"] = sum(part[k] for k in PARTS)
+        self.steps.append(part)
+        super()._sync_done()
+
+    # ---- result ----------------------------------------------------------------------------
+    def run_system(self, max_events: int = 50_000_000) -> SystemResult:
+        sim = self.run(max_events)
+        wall = sim.wall_s or 1.0
+        util: dict[str, float] = {}
+        for p_i, pool in enumerate(self.scfg.pools):
+            busy = [b for b, p in zip(sim.engine_busy_s, self.pool_of, strict=True) if p == p_i]
+            util[f"engines/{pool.hw}#{p_i}"] = sum(busy) / (len(busy) * wall)
+        util["trainer"] = min(sim.trainer_busy_s, wall) / wall
+        if self.scfg.colocated:  # the same GPUs: generation time plus update time
+            util = {k: (v + util["trainer"] if k != "trainer" else v) for k, v in util.items()}
+        rw = {}
+        if self.rewards is not None:
+            rw = {"cold_starts": float(self.rewards.cold_starts), "peak": float(self.rewards.peak),
+                  "busy_s": self.rewards.busy_s}
+        decisions = {k: v for k, v in self.router.metrics().items() if k.count("/") == 1}
+        return SystemResult(sim, self.steps, util, decisions, rw, self.events)
+
+
+def simulate_system(cfg: SystemConfig, plan: Planner | None = None) -> SystemResult:
+    return SystemSimulation(cfg, plan).run_system()
