@@ -29,25 +29,37 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The policy. Default: a dense 32B model in bf16 (the Qwen2.5/Qwen3-32B size agentic RL
-    papers train most; assumption). kv_bytes_per_token: KV read per generated token on top of the
-    weights' share (0: ignored, i.e. short contexts)."""
+    """The policy. Default: a Qwen3-30B-A3B-class MoE in bf16 (30.5B parameters, 3.3B active per
+    token: the Qwen3 model card). `active_params` (None: dense, = params) sets the FLOPs per token
+    (2 x active: prefill, decode compute, training); the weights read per decode step are all of
+    them (at a decode batch of 64 rows nearly every expert is hit). kv_bytes_per_token: KV read
+    per generated token on top of the weights' share (0: ignored, i.e. short contexts)."""
 
-    params: float = 32e9
+    params: float = 30.5e9
     bytes_per_param: float = 2.0
+    active_params: float | None = 3.3e9
     kv_bytes_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.params > 0 and self.bytes_per_param > 0 and self.kv_bytes_per_token >= 0,
                "model: params and bytes_per_param must be > 0, kv_bytes_per_token >= 0")
+        _check(self.active_params is None or 0 < self.active_params <= self.params,
+               "model: active_params must be in (0, params]")
+
+    @property
+    def active(self) -> float:
+        return self.params if self.active_params is None else self.active_params
 
     @property
     def weight_bytes(self) -> float:
         return self.params * self.bytes_per_param
 
     def cost_model(self, decode_batch: int) -> CostModel:
-        return CostModel.for_model(self.params, self.bytes_per_param, decode_batch,
-                                   self.kv_bytes_per_token)
+        """The router's cost model (rollart.routing.CostModel; for a dense model the same as
+        CostModel.for_model)."""
+        return CostModel(flops_per_token=2.0 * self.active,
+                         bytes_per_token=self.weight_bytes / max(decode_batch, 1)
+                         + self.kv_bytes_per_token)
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,13 @@ class PoolModel:
     """Engine replicas of one hardware class. A replica spans `gpus_per_replica` GPUs (tensor
     parallel), so its FLOP/s and bandwidth are that many times the class's.
 
-    A generate call serves up to `max_batch` queued turns, all returned at the call's end:
+    continuous (default, as vLLM): up to `max_batch` turns in flight; a queued turn joins as soon
+    as a row is free and returns when its own answer ends, after
+        overhead_s + prefill_i * F / (FLOP/s * prefill_eff) + decode_i * step(rows)
+    with step(rows) the roofline step below at the rows in flight when it joined (later joiners'
+    prefill does not slow it down: an approximation).
+    static (as the HF engine): a generate call serves up to `max_batch` queued turns, all
+    returned at the call's end:
         call_s = overhead_s + sum_i prefill_i * F / (FLOP/s * prefill_eff) + decode part
     F = 2 x params per prompt token (prefill_i: the turn's new tokens on the replica holding the
     episode's prefix, new + context tokens elsewhere). Decode part:
@@ -78,6 +96,7 @@ class PoolModel:
     prefill_eff: float = 0.4
     decode_eff: float = 0.6
     decode: Literal["roofline", "per_row"] = "roofline"
+    batching: Literal["continuous", "static"] = "continuous"
 
     def __post_init__(self) -> None:
         where = f"pool {self.hw!r}"
@@ -88,6 +107,10 @@ class PoolModel:
         _check(self.overhead_s >= 0, f"{where}: overhead_s must be >= 0")
         _check(self.decode in ("roofline", "per_row"), f"{where}: decode must be "
                                                        f"'roofline' or 'per_row'")
+        _check(self.batching in ("continuous", "static"),
+               f"{where}: batching must be 'continuous' or 'static'")
+        _check(self.batching == "static" or self.decode == "roofline",
+               f"{where}: per_row pricing needs static batching")
 
     @property
     def gpus(self) -> int:
@@ -140,7 +163,8 @@ class EnvModel:
 
 @dataclass(frozen=True)
 class TrainModel:
-    """update_s = flops_per_param_token * params * tokens / (gpus * FLOP/s * mfu). 8 = 6 for
+    """update_s = flops_per_param_token * params * tokens / (gpus * FLOP/s * mfu), params the
+    active ones (an MoE trains only the experts each token visits). 8 = 6 for
     forward + backward (Kaplan et al. 2020) + 2 for the forward pass that recomputes the old
     policy's log-probs; tokens = every prompt and generated token of the batch's episodes.
     mfu 0.35: assumption (Megatron-LM reports 40-50 % on dense GPT training at scale; RL updates

@@ -108,6 +108,8 @@ class SystemSimulation(Simulation):
         self.ctx: dict[str, tuple[float, float]] = {}  # episode id -> (context, new) tokens
         self.inflight: dict[int, list[tuple[str, _Episode]] | None] = {}
         self.call_dur: dict[int, float] = {}
+        self.rows: dict[int, dict[str, _Episode]] = {}  # continuous: turns in flight per replica
+        self.busy_since: dict[int, float] = {}
         self.events = 0
         self.steps: list[dict[str, float]] = []
         self._pending_step: dict[str, float] = {}
@@ -189,24 +191,47 @@ class SystemSimulation(Simulation):
     def _max_batch(self, e: int) -> int:
         return self.scfg.pools[self.pool_of[e]].max_batch
 
-    def _call_s(self, e: int, items: list[tuple[str, _Episode]]) -> float:
+    def _step_s(self, e: int, rows: int) -> float:
+        """One decode step with `rows` rows (roofline: weights read once, compute per row)."""
         pool, hw, m = self.scfg.pools[self.pool_of[e]], self.hw[e], self.scfg.model
-        flops, bw = hw.flops * pool.prefill_eff, hw.bandwidth * pool.decode_eff
-        f = self.cost.flops_per_token
-        prefill = sum(self.turn[rid][1] for rid, _ in items) * f / flops
+        weights = (m.weight_bytes + rows * m.kv_bytes_per_token) / (hw.bandwidth * pool.decode_eff)
+        return max(weights, rows * self.cost.flops_per_token / (hw.flops * pool.prefill_eff))
+
+    def _prefill_s(self, e: int, tokens: float) -> float:
+        pool, hw = self.scfg.pools[self.pool_of[e]], self.hw[e]
+        return tokens * self.cost.flops_per_token / (hw.flops * pool.prefill_eff)
+
+    def _call_s(self, e: int, items: list[tuple[str, _Episode]]) -> float:
+        pool, hw = self.scfg.pools[self.pool_of[e]], self.hw[e]
+        prefill = self._prefill_s(e, sum(self.turn[rid][1] for rid, _ in items))
         decodes = sorted(self.turn[rid][2] for rid, _ in items)
         if pool.decode == "per_row":
-            decode = sum(decodes) * self.cost.bytes_per_token / bw
+            decode = sum(decodes) * self.cost.bytes_per_token / (hw.bandwidth * pool.decode_eff)
         else:  # roofline over decode steps; rows drop out as their answers end
             decode, done = 0.0, 0.0
             for j, d in enumerate(decodes):
-                rows = len(decodes) - j
-                step = max((m.weight_bytes + rows * m.kv_bytes_per_token) / bw, rows * f / flops)
-                decode += (d - done) * step
+                decode += (d - done) * self._step_s(e, len(decodes) - j)
                 done = d
         dur = pool.overhead_s + prefill + decode
         self.inflight[e], self.call_dur[e] = items, dur
         return dur
+
+    def _turn_done(self, e: int, rid: str, ep: _Episode) -> None:
+        """Bookkeeping for one finished turn (the router, profiles, the episode's tokens)."""
+        self.router.on_finished(rid)
+        queued, prefill, decode, new = self.turn.pop(rid)
+        self.events += 1
+        if ep.cancelled:
+            return
+        eid = ep.start.episode_id
+        self.profiles.observe_turn(ep.start.task, int(prefill), int(decode))
+        ctx, _ = self.ctx[eid]
+        self.ctx[eid] = (ctx + new, decode + self.tasks[ep.start.task].obs_tokens)
+        life = self.life[eid]
+        life.gen_s += self.now - queued
+        life.env_s += ep.plan.step_s[ep.step]
+        life.tokens = ctx + new + decode
+        self.events += 1  # the env step
 
     def _call_done(self, e: int, items: list[tuple[str, _Episode]]) -> None:
         if self.inflight.get(e) is not items:
@@ -214,21 +239,53 @@ class SystemSimulation(Simulation):
         self.inflight[e] = None
         self.router.on_batch(self.rids[e], [rid for rid, _ in items], self.call_dur[e])
         for rid, ep in items:
-            self.router.on_finished(rid)
-            queued, prefill, decode, new = self.turn.pop(rid)
-            self.events += 1
-            if ep.cancelled:
-                continue
-            eid = ep.start.episode_id
-            self.profiles.observe_turn(ep.start.task, int(prefill), int(decode))
-            ctx, _ = self.ctx[eid]
-            self.ctx[eid] = (ctx + new, decode + self.tasks[ep.start.task].obs_tokens)
-            life = self.life[eid]
-            life.gen_s += self.now - queued
-            life.env_s += ep.plan.step_s[ep.step]
-            life.tokens = ctx + new + decode
-            self.events += 1  # the env step
+            self._turn_done(e, rid, ep)
         super()._call_done(e, items)
+
+    # continuous batching (vLLM-like): a turn joins as soon as a row is free and leaves when its
+    # own answer ends; its decode steps cost _step_s(rows on the replica when it joined).
+    def _dispatch(self, e: int) -> None:
+        pool = self.scfg.pools[self.pool_of[e]]
+        if pool.batching == "static":
+            super()._dispatch(e)
+            return
+        eng = self.engines[e]
+        eng.pending = False
+        if self.now < eng.paused_until:  # weight sync in progress
+            self._wake(e)
+            return
+        free = pool.max_batch - eng.running
+        if free <= 0 or not eng.queue:
+            return
+        queued = sorted(eng.queue, key=lambda x: x[0])
+        items, eng.queue = queued[:free], queued[free:]
+        if eng.running == 0:
+            self.busy_since[e] = self.now
+        eng.running += len(items)
+        step = self._step_s(e, eng.running)
+        rows = self.rows.setdefault(e, {})
+        for rid, ep in items:
+            _, prefill, decode, _ = self.turn[rid]
+            dur = pool.overhead_s + self._prefill_s(e, prefill) + decode * step
+            eng.call_end = max(eng.call_end, self.now + dur)
+            eng.calls += 1
+            rows[rid] = ep
+            self._at(self.now + dur, self._row_done, e, rid, ep, dur)
+
+    def _row_done(self, e: int, rid: str, ep: _Episode, dur: float) -> None:
+        rows = self.rows.get(e, {})
+        if rows.get(rid) is not ep:
+            return  # the replica failed meanwhile: the turn was re-routed
+        del rows[rid]
+        eng = self.engines[e]
+        eng.running -= 1
+        if eng.running == 0:
+            eng.busy_s += self.now - self.busy_since[e]
+        self.router.on_batch(self.rids[e], [rid], dur)
+        self._turn_done(e, rid, ep)
+        if not ep.cancelled:
+            self._at(self.now + ep.plan.step_s[ep.step], self._env_done, ep)
+        self._wake(e)
 
     def fail_replica(self, t: float, index: int, down_s: float) -> None:
         """Schedule replica `index` to fail at simulated time t and recover down_s later."""
@@ -237,7 +294,11 @@ class SystemSimulation(Simulation):
     def _replica_failed(self, e: int, down_s: float) -> None:
         eng = self.engines[e]
         self.router.on_failed(self.rids[e])
-        lost = list(eng.queue) + list(self.inflight.get(e) or [])
+        lost = (list(eng.queue) + list(self.inflight.get(e) or [])
+                + list(self.rows.pop(e, {}).items()))
+        if eng.running and e in self.busy_since and self.scfg.pools[self.pool_of[e]].batching \
+                == "continuous":
+            eng.busy_s += self.now - self.busy_since[e]
         eng.queue, eng.running, eng.call_end = [], 0, self.now
         self.inflight[e] = None
         self.counters["replica_failures"] += 1
@@ -280,7 +341,7 @@ class SystemSimulation(Simulation):
         if t is None:
             return self.cfg.trainer.update_s
         tokens = sum(self.life[eid].tokens for eid in self._kept(batch))
-        return t.update_s(tokens, self.scfg.model.params, self.scfg.catalog)
+        return t.update_s(tokens, self.scfg.model.active, self.scfg.catalog)
 
     def _sync_s(self) -> float:
         s = self.scfg.sync
@@ -301,6 +362,10 @@ class SystemSimulation(Simulation):
     # ---- result ----------------------------------------------------------------------------
     def run_system(self, max_events: int = 50_000_000) -> SystemResult:
         sim = self.run(max_events)
+        for e, eng in enumerate(self.engines):  # continuous: count the busy period still open
+            if self.scfg.pools[self.pool_of[e]].batching == "continuous":
+                sim.engine_busy_s[e] = eng.busy_s + (
+                    sim.wall_s - self.busy_since[e] if eng.running else 0.0)
         wall = sim.wall_s or 1.0
         util: dict[str, float] = {}
         for p_i, pool in enumerate(self.scfg.pools):

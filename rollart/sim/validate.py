@@ -18,7 +18,8 @@ affinity (results/affinity.json; SystemSimulation, the real Router)
     policies.{affinity,round_robin}.wall_s and, to judge the file, policies.*.replicas.*.{busy_s,
     prompt_tokens, tokens_generated}. Engines are priced `per_row` at 100 % efficiency (an
     emulation that sleeps the cost model's time), no prefix cache (HF engine), no env time, one
-    iteration, no update. Fidelity = a replica's measured busy time / the cost model's time for
+    iteration, no update, static batches (the benchmark's replicas drain their queue in
+    batches of up to `batch`). Fidelity = a replica's measured busy time / the cost model's time for
     the prompt and generated tokens it processed; a file with fidelity > FIDELITY_LIMIT measured
     something the cost model does not describe (host compute under CPU contention, padding): it
     is reported, flagged `instrument: false`, and left out of the maximum.
@@ -115,16 +116,18 @@ def validate_affinity(m: dict) -> dict[str, Any]:
                             first_prompt_tokens=t["first_prompt"], obs_tokens=t["obs_tokens"],
                             decode_tokens=t["new_tokens"]) for t in w["tasks"].values())
     out: dict[str, Any] = {"policies": {}}
-    cost = ModelSpec(params=m["model_params"], bytes_per_param=2.0).cost_model(w["batch"])
+    model = ModelSpec(params=m["model_params"], bytes_per_param=2.0, active_params=None)
+    cost = model.cost_model(w["batch"])
     for policy in ("affinity", "round_robin"):
         sim = SimConfig(tasks=tasks, engine=EngineModel(overhead_s=1e-9),
                         trainer=TrainerModel(0.0), group_size=1,
                         num_groups=w["episodes_per_task"] * len(tasks), iterations=1)
         pools = tuple(PoolModel(rid, 1, gpus_per_replica=1, max_batch=w["batch"],
-                                prefill_eff=1.0, decode_eff=1.0, decode="per_row")
+                                prefill_eff=1.0, decode_eff=1.0, decode="per_row",
+                                batching="static")
                       for rid in catalog)
         cfg = SystemConfig(sim=sim, pools=pools, catalog=catalog,
-                           model=ModelSpec(params=m["model_params"], bytes_per_param=2.0),
+                           model=model,
                            routing=RoutingModel(policy=policy, prefix_cache=False,
                                                 imbalance_threshold_s=w["imbalance_threshold_s"]))
         pred = simulate_system(cfg).sim.wall_s

@@ -25,7 +25,7 @@ from rollart.sim.workload import SimConfigError
 
 CATALOG = {"A": HardwareClass(name="A", peak_tflops=1, mem_bw_gbs=1, memory_gb=1),
            "B": HardwareClass(name="B", peak_tflops=0.1, mem_bw_gbs=2, memory_gb=1)}
-MODEL = ModelSpec(params=1e9, bytes_per_param=1.0)
+MODEL = ModelSpec(params=1e9, bytes_per_param=1.0, active_params=None)
 ZERO = LatencyConfig()
 
 
@@ -61,13 +61,38 @@ def test_roofline_vs_per_row_decode_pricing():
     # both rows + 10 x 1 s with one = 20 s; per_row (the router's estimate, batch 2):
     # (10 + 20) x W / 2 / bw = 15 s.
     def busy(mode):
-        cfg = system([task(prompt=0, decode=10.0)], pools=(pool(max_batch=2, decode=mode),),
-                     group_size=2)
+        cfg = system([task(prompt=0, decode=10.0)], group_size=2,
+                     pools=(pool(max_batch=2, decode=mode, batching="static"),))
         sim = SystemSimulation(cfg, plan=lambda st, rng: EpisodePlan(
             (0.0,), None, (10.0 if st.episode_id.endswith("0") else 20.0,)))
         return sim.run_system().sim.engine_busy_s[0]
     assert busy("roofline") == pytest.approx(20.0)
     assert busy("per_row") == pytest.approx(15.0)
+
+
+def lengths(*decodes):
+    return lambda st, rng: EpisodePlan((0.0,), None, (decodes[int(st.episode_id[-1])],))
+
+
+def test_continuous_batching_rows_leave_and_join():
+    # max_batch 2, three 1-turn episodes decoding 10, 20, 5 tokens, all queued at t = 0 (no
+    # prompt): m0 and m1 join (step 1 s: weights-bound) and leave at 10 and 20; m2 joins at 10
+    # (a row is free) and leaves at 15. Static batching would hold m0 until 20 and run m2 after.
+    cfg = system([task(prompt=0)], pools=(pool(max_batch=2),), group_size=3)
+    r = SystemSimulation(cfg, plan=lengths(10.0, 20.0, 5.0)).run_system()
+    assert r.steps[0]["generation"] == pytest.approx(20.0)
+    assert r.sim.engine_busy_s == [pytest.approx(20.0)]
+    static = system([task(prompt=0)], pools=(pool(max_batch=2, batching="static"),),
+                    group_size=3)
+    rs = SystemSimulation(static, plan=lengths(10.0, 20.0, 5.0)).run_system()
+    assert rs.steps[0]["generation"] == pytest.approx(25.0)
+
+
+def test_continuous_step_is_compute_bound_with_many_rows():
+    # On B (0.1 TFLOP/s, 2 GB/s) a step reads W in 0.5 s; 40 rows compute 40 x 2e9 / 1e11 =
+    # 0.8 s: compute-bound. 40 rows x 10 tokens: 8 s.
+    cfg = system([task(prompt=0)], pools=(pool("B", max_batch=64),), group_size=40)
+    assert simulate_system(cfg).sim.engine_busy_s == [pytest.approx(8.0)]
 
 
 def test_prefix_cache_hit_prefills_only_new_tokens():

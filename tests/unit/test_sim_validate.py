@@ -59,7 +59,8 @@ def faithful(m: dict, wall_scale: float) -> dict:
     """A copy of the affinity file whose engines did exactly the cost model's work and whose
     walls are the simulator's prediction times `wall_scale`."""
     m = copy.deepcopy(m)
-    cost = ModelSpec(params=m["model_params"]).cost_model(m["workload"]["batch"])
+    model = ModelSpec(params=m["model_params"], active_params=None)
+    cost = model.cost_model(m["workload"]["batch"])
     pred = validate_affinity(m)["policies"]
     for policy, p in m["policies"].items():
         for rid, r in p["replicas"].items():
