@@ -11,13 +11,18 @@ time) is first checked against our measured benchmarks (rollart.sim.validate), t
                         network (20 GB/s, verl's checkpoint-engine figure)
   (c) async             (b) with max_staleness 1
   (d) RollArt           (c) with hardware-affinity routing and serverless rewards
+  (e) (d) + redundancy  one extra episode per group, the first 8 finishers kept (ROLL's
+                        group_size_redundancy): not in the issue's list, added because the tail
+                        of the slowest episode sets the step time at scale
 
 Workload (assumptions, shaped like the paper's agentic mix; change them below): a
 Qwen3-30B-A3B-class MoE policy in bf16 (30.5B parameters, 3.3B active; weights 61 GB), TP 2
 replicas, one episode per GPU per step (groups of 8), half of the groups
 `swe` (prefill-heavy: 8k-token first prompt, +1.5k tokens of tool output per turn, 300 generated
-tokens per turn, 5-15 turns, tool calls ~2 s with a heavy tail) and half `reason` (decode-heavy:
-1k-token prompt, 3k generated tokens per turn, 1-3 turns). Env start-up ~10 s (a sandbox
+tokens per turn (lognormal, capped at 1,024), 5-15 turns, tool calls ~2 s with a heavy tail:
+5 % of steps stall 10 s x Pareto(2)) and half `reason` (decode-heavy: 1k-token prompt, 3k
+generated tokens per turn (lognormal sigma 0.7, capped at 8,192), 1-3 turns). Router: one real
+Router per rollout-service shard of 128 replicas. Env start-up ~10 s (a sandbox
 container); "failures": 10 % of env starts fail (noticed after a 60 s timeout, retried) and 1 %
 of env steps crash the episode (the scheduler re-issues it). Rewards ~2 s each (a test run);
 the fixed pool has one worker per 8 GPUs, serverless up to 1,000 concurrent with 0.5 s cold
@@ -62,19 +67,21 @@ from rollart.sim.validate import validate_all  # noqa: E402
 
 SIZES = (64, 512, 3072)
 MODES = {"a_monolithic_sync": "monolithic sync", "b_sync_disagg": "sync disaggregated",
-         "c_async": "async (alpha 1)", "d_rollart": "RollArt (async+affinity+serverless)"}
+         "c_async": "async (alpha 1)", "d_rollart": "RollArt (async+affinity+serverless)",
+         "e_rollart_redundancy": "RollArt + 1 redundant episode per group"}
 MODEL = ModelSpec()  # Qwen3-30B-A3B-class MoE, bf16 (61 GB of weights)
 TP = 2  # 122 GB of HBM per H800 replica (160 GB): weights + KV cache
 REWARD_COST = LatencyConfig(median_s=2.0, sigma=0.5)
+SHARD = 128  # replicas per rollout-service shard (one real Router each)
 
 
 def tasks(failures: bool) -> tuple[TaskModel, ...]:
     fail = 0.01 if failures else 0.0
     swe = TaskModel("swe", turns=(5, 15), first_prompt_tokens=8000, obs_tokens=1500,
-                    decode_tokens=300, decode_sigma=0.5, fail_prob=fail,
+                    decode_tokens=300, decode_sigma=0.5, decode_max=1024, fail_prob=fail,
                     latency=LatencyConfig(median_s=2.0, sigma=1.0, tail_prob=0.05, tail_s=10.0))
     reason = TaskModel("reason", turns=(1, 3), first_prompt_tokens=1000, obs_tokens=200,
-                       decode_tokens=3000, decode_sigma=0.7, fail_prob=fail,
+                       decode_tokens=3000, decode_sigma=0.7, decode_max=8192, fail_prob=fail,
                        latency=LatencyConfig(median_s=0.5, sigma=0.5))
     return (swe, reason)
 
@@ -83,20 +90,23 @@ def config(mode: str, gpus: int, failures: bool, iterations: int, seed: int) -> 
     alpha = 0 if mode in ("a_monolithic_sync", "b_sync_disagg") else 1
     sim = SimConfig(tasks=tasks(failures), engine=EngineModel(overhead_s=0.01),
                     trainer=TrainerModel(0.0), group_size=8, num_groups=gpus // 8,
-                    max_staleness=alpha, max_retries=3, iterations=iterations, seed=seed)
+                    max_staleness=alpha, max_retries=3, iterations=iterations, seed=seed,
+                    redundancy=1 if mode == "e_rollart_redundancy" else 0)
     env = EnvModel(startup=LatencyConfig(median_s=10.0, sigma=0.5),
                    startup_fail_prob=0.1 if failures else 0.0, startup_timeout_s=60.0)
     fixed = RewardModel(kind="fixed", workers=max(1, gpus // 8), cost=REWARD_COST)
     if mode == "a_monolithic_sync":
         return SystemConfig(sim=sim, pools=(PoolModel("H800", gpus // TP, TP),), model=MODEL,
-                            routing=RoutingModel(policy="least_loaded"), env=env, reward=fixed,
+                            routing=RoutingModel(policy="least_loaded", shard_replicas=SHARD),
+                            env=env, reward=fixed,
                             train=TrainModel(gpus=gpus), colocated=True,
                             sync=SyncModel(bandwidth_gbs=400.0))
     pools = (PoolModel("H800", gpus // 4 // TP, TP), PoolModel("H20", gpus // 2 // TP, TP))
-    rollart = mode == "d_rollart"
+    rollart = mode in ("d_rollart", "e_rollart_redundancy")
     return SystemConfig(
         sim=sim, pools=pools, model=MODEL, env=env,
-        routing=RoutingModel(policy="affinity" if rollart else "least_loaded"),
+        routing=RoutingModel(policy="affinity" if rollart else "least_loaded",
+                             shard_replicas=SHARD),
         reward=RewardModel(kind="serverless", workers=1000, cost=REWARD_COST) if rollart
         else fixed,
         train=TrainModel(gpus=gpus // 4), sync=SyncModel())

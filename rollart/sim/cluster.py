@@ -135,9 +135,14 @@ class RoutingModel:
     sticky: bool = True
     imbalance_threshold_s: float = 1.0
     prefix_cache: bool = True
+    # Replicas per router shard (None: one router over all). A sharded rollout service: each
+    # shard owns every K-th replica and its share of the episodes; it keeps routing O(shard).
+    shard_replicas: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
+        _check(self.shard_replicas is None or self.shard_replicas >= 1,
+               "routing.shard_replicas must be >= 1")
         _check(self.imbalance_threshold_s >= 0, "routing.imbalance_threshold_s must be >= 0")
 
 

@@ -94,9 +94,16 @@ class SystemSimulation(Simulation):
         self.engines = [_Engine() for _ in specs]
         r = cfg.routing
         self.cost = cfg.model.cost_model(cfg.pools[0].max_batch)
-        self.router = Router(specs, self.cost, policy=r.policy, sticky=r.sticky,
-                             imbalance_threshold_s=r.imbalance_threshold_s,
-                             prefix_cache=r.prefix_cache)
+        # A sharded rollout service: shard k routes over replicas k, k + K, ... (each shard gets
+        # the pools' mix) with its own real Router; episodes are dealt to shards in turn.
+        n = len(specs)
+        shards = -(-n // r.shard_replicas) if r.shard_replicas else 1
+        self.shard_of = [i % shards for i in range(n)]
+        self.routers = [Router([sp for i, sp in enumerate(specs) if i % shards == k], self.cost,
+                               policy=r.policy, sticky=r.sticky,
+                               imbalance_threshold_s=r.imbalance_threshold_s,
+                               prefix_cache=r.prefix_cache) for k in range(shards)]
+        self.ep_shard: dict[str, Router] = {}
         self.profiles = TaskProfiles(alpha=0.2)
         self.env_rng = random.Random(cfg.sim.seed + 1)  # own streams: the plans stay the same
         self.reward_rng = random.Random(cfg.sim.seed + 2)
@@ -153,8 +160,9 @@ class SystemSimulation(Simulation):
         ctx, new = self.ctx[eid]
         decode = ep.plan.decode[ep.step] if ep.plan.decode else task.decode_tokens
         rid = f"{eid}#t{ep.step}"
-        prev = self.router.home(eid)
-        d = self.router.route(RouteRequest(
+        router = self.ep_shard.setdefault(eid, self.routers[len(self.ep_shard) % len(self.routers)])
+        prev = router.home(eid)
+        d = router.route(RouteRequest(
             rid, eid, task.name, new_tokens=int(new), context_tokens=int(ctx),
             decode_tokens=self.profiles.expected_decode_tokens(task.name, task.decode_tokens)))
         hit = self.scfg.routing.prefix_cache and prev == d.replica_id
@@ -171,14 +179,14 @@ class SystemSimulation(Simulation):
                 continue
             for rid, other in self.engines[ep.engine].queue:
                 if other is ep:
-                    self.router.on_finished(rid)
+                    self.routers[self.shard_of[ep.engine]].on_finished(rid)
                     self.turn.pop(rid, None)
-            self.router.on_episode_end(c.episode_id)
+            self.ep_shard.pop(c.episode_id, self.routers[0]).on_episode_end(c.episode_id)
         super()._cancel(cancels)
 
     def _episode_over(self, ep: _Episode, failed: bool) -> None:
         eid = ep.start.episode_id
-        self.router.on_episode_end(eid)
+        self.ep_shard.pop(eid, self.routers[0]).on_episode_end(eid)
         self.life[eid].end = self.now
         self.events += 1
         if not failed and self.rewards is not None:
@@ -218,7 +226,7 @@ class SystemSimulation(Simulation):
 
     def _turn_done(self, e: int, rid: str, ep: _Episode) -> None:
         """Bookkeeping for one finished turn (the router, profiles, the episode's tokens)."""
-        self.router.on_finished(rid)
+        self.routers[self.shard_of[e]].on_finished(rid)
         queued, prefill, decode, new = self.turn.pop(rid)
         self.events += 1
         if ep.cancelled:
@@ -237,7 +245,8 @@ class SystemSimulation(Simulation):
         if self.inflight.get(e) is not items:
             return  # the replica failed during the call: its turns were re-routed
         self.inflight[e] = None
-        self.router.on_batch(self.rids[e], [rid for rid, _ in items], self.call_dur[e])
+        self.routers[self.shard_of[e]].on_batch(self.rids[e], [rid for rid, _ in items],
+                                                self.call_dur[e])
         for rid, ep in items:
             self._turn_done(e, rid, ep)
         super()._call_done(e, items)
@@ -270,9 +279,10 @@ class SystemSimulation(Simulation):
             eng.call_end = max(eng.call_end, self.now + dur)
             eng.calls += 1
             rows[rid] = ep
-            self._at(self.now + dur, self._row_done, e, rid, ep, dur)
+            # replica time this turn uses (the router's notion: wait = sum of outstanding work)
+            self._at(self.now + dur, self._row_done, e, rid, ep, dur / eng.running)
 
-    def _row_done(self, e: int, rid: str, ep: _Episode, dur: float) -> None:
+    def _row_done(self, e: int, rid: str, ep: _Episode, share_s: float) -> None:
         rows = self.rows.get(e, {})
         if rows.get(rid) is not ep:
             return  # the replica failed meanwhile: the turn was re-routed
@@ -281,7 +291,7 @@ class SystemSimulation(Simulation):
         eng.running -= 1
         if eng.running == 0:
             eng.busy_s += self.now - self.busy_since[e]
-        self.router.on_batch(self.rids[e], [rid], dur)
+        self.routers[self.shard_of[e]].on_batch(self.rids[e], [rid], share_s)
         self._turn_done(e, rid, ep)
         if not ep.cancelled:
             self._at(self.now + ep.plan.step_s[ep.step], self._env_done, ep)
@@ -293,7 +303,8 @@ class SystemSimulation(Simulation):
 
     def _replica_failed(self, e: int, down_s: float) -> None:
         eng = self.engines[e]
-        self.router.on_failed(self.rids[e])
+        router = self.routers[self.shard_of[e]]
+        router.on_failed(self.rids[e])
         lost = (list(eng.queue) + list(self.inflight.get(e) or [])
                 + list(self.rows.pop(e, {}).items()))
         if eng.running and e in self.busy_since and self.scfg.pools[self.pool_of[e]].batching \
@@ -307,7 +318,7 @@ class SystemSimulation(Simulation):
             if not ep.cancelled:
                 self.counters["turns_failed_over"] += 1
                 self._request(ep)  # the router places it on a healthy replica ("failover")
-        self._at(self.now + down_s, lambda: self.router.on_recovered(self.rids[e]))
+        self._at(self.now + down_s, lambda: router.on_recovered(self.rids[e]))
 
     # ---- trainer ---------------------------------------------------------------------------
     def _kept(self, batch: dict[str, list[str]]) -> list[str]:
@@ -378,7 +389,11 @@ class SystemSimulation(Simulation):
         if self.rewards is not None:
             rw = {"cold_starts": float(self.rewards.cold_starts), "peak": float(self.rewards.peak),
                   "busy_s": self.rewards.busy_s}
-        decisions = {k: v for k, v in self.router.metrics().items() if k.count("/") == 1}
+        decisions: dict[str, float] = {"router/shards": float(len(self.routers))}
+        for router in self.routers:
+            for k, v in router.metrics().items():
+                if k.count("/") == 1:
+                    decisions[k] = decisions.get(k, 0.0) + v
         return SystemResult(sim, self.steps, util, decisions, rw, self.events)
 
 

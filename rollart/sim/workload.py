@@ -43,6 +43,7 @@ class TaskModel:
     obs_tokens: int = 0  # prompt tokens each later turn adds (observation / tool output)
     decode_tokens: float = 0.0  # mean tokens generated per turn
     decode_sigma: float = 0.0  # lognormal spread of a turn's decode length (0: always the mean)
+    decode_max: float = 0.0  # cap on a turn's decode length (max_new_tokens; 0: none)
 
     def __post_init__(self) -> None:
         where = f"task {self.name!r}"
@@ -63,7 +64,8 @@ class TaskModel:
         _check(isinstance(self.latency, LatencyConfig),
                f"{where}: latency must be a rollart.config.LatencyConfig")
         _check(min(self.first_prompt_tokens, self.obs_tokens) >= 0 and self.decode_tokens >= 0
-               and self.decode_sigma >= 0, f"{where}: token counts and decode_sigma must be >= 0")
+               and self.decode_sigma >= 0 and self.decode_max >= 0,
+               f"{where}: token counts, decode_sigma and decode_max must be >= 0")
 
     def sample_turns(self, rng: random.Random) -> int:
         if self.turn_probs is not None:
@@ -188,6 +190,7 @@ def sample_plan(task: TaskModel, rng: random.Random) -> EpisodePlan:
         # Lognormal around the mean (median mean * exp(-sigma^2 / 2)): long answers are rare
         # but long, which is what makes synchronous batches wait for their slowest member.
         mu, sigma = -task.decode_sigma ** 2 / 2, task.decode_sigma
-        decode = tuple(max(1.0, round(task.decode_tokens * rng.lognormvariate(mu, sigma)))
-                       if sigma else task.decode_tokens for _ in range(n))
+        cap = task.decode_max or float("inf")
+        decode = tuple(min(cap, max(1.0, round(task.decode_tokens * rng.lognormvariate(mu, sigma))))
+                       if sigma else min(cap, task.decode_tokens) for _ in range(n))
     return EpisodePlan(steps, fail_at, decode)

@@ -197,3 +197,14 @@ def test_bad_system_configs_fail_clearly():
         RewardModel(workers=0)
     with pytest.raises(SimConfigError, match="policy"):
         RoutingModel(policy="random")  # type: ignore[arg-type]
+
+
+def test_sharded_routers_split_replicas_and_episodes():
+    cfg = system([task(prompt=0, decode=2.0)], pools=(pool(replicas=4),), group_size=8,
+                 routing=RoutingModel(policy="least_loaded", shard_replicas=2))
+    sim = SystemSimulation(cfg)
+    r = sim.run_system()
+    assert len(sim.routers) == 2
+    assert [sorted(x.replica_ids()) for x in sim.routers] == [["a-0", "a-2"], ["a-1", "a-3"]]
+    assert r.router["router/shards"] == 2 and r.router["router/new"] == 8
+    assert all(b > 0 for b in r.sim.engine_busy_s)  # episodes reached both shards
