@@ -215,7 +215,7 @@ class SystemConfig:
     """sim: tasks (with token counts), rollout settings, iterations, seed; its `engine` gives the
     continuous batcher's gathering wait only, and its `trainer` the update and sync times when
     `train` / `sync` are None. colocated: engines and trainer share GPUs (monolithic), so the
-    engines serve nothing during an update."""
+    engines serve nothing during an update. sync_interrupts needs continuous batching."""
 
     sim: SimConfig
     pools: tuple[PoolModel, ...]
@@ -226,6 +226,9 @@ class SystemConfig:
     train: TrainModel | None = None
     sync: SyncModel | None = None
     colocated: bool = False
+    # The weight sync aborts turns in flight and re-issues them afterwards; False: it waits for
+    # them to finish (what rollart's stages.sync_weights does today).
+    sync_interrupts: bool = False
     catalog: Mapping[str, HardwareClass] = field(default_factory=lambda: dict(DEFAULT_CATALOG))
 
     def __post_init__(self) -> None:

@@ -115,7 +115,8 @@ class SystemSimulation(Simulation):
         self.ctx: dict[str, tuple[float, float]] = {}  # episode id -> (context, new) tokens
         self.inflight: dict[int, list[tuple[str, _Episode]] | None] = {}
         self.call_dur: dict[int, float] = {}
-        self.rows: dict[int, dict[str, _Episode]] = {}  # continuous: turns in flight per replica
+        # continuous: turns in flight per replica, request id -> (episode, dispatch token)
+        self.rows: dict[int, dict[str, tuple[_Episode, int]]] = {}
         self.busy_since: dict[int, float] = {}
         self.events = 0
         self.steps: list[dict[str, float]] = []
@@ -278,15 +279,16 @@ class SystemSimulation(Simulation):
             dur = pool.overhead_s + self._prefill_s(e, prefill) + decode * step
             eng.call_end = max(eng.call_end, self.now + dur)
             eng.calls += 1
-            rows[rid] = ep
+            token = next(self._seq)  # tells this run of the turn from a re-issued one
+            rows[rid] = (ep, token)
             # replica time this turn uses (the router's notion: wait = sum of outstanding work)
-            self._at(self.now + dur, self._row_done, e, rid, ep, dur / eng.running)
+            self._at(self.now + dur, self._row_done, e, rid, token, dur / eng.running)
 
-    def _row_done(self, e: int, rid: str, ep: _Episode, share_s: float) -> None:
+    def _row_done(self, e: int, rid: str, token: int, share_s: float) -> None:
         rows = self.rows.get(e, {})
-        if rows.get(rid) is not ep:
-            return  # the replica failed meanwhile: the turn was re-routed
-        del rows[rid]
+        if rid not in rows or rows[rid][1] != token:
+            return  # the replica failed or the sync interrupted it: the turn was re-issued
+        ep = rows.pop(rid)[0]
         eng = self.engines[e]
         eng.running -= 1
         if eng.running == 0:
@@ -306,7 +308,7 @@ class SystemSimulation(Simulation):
         router = self.routers[self.shard_of[e]]
         router.on_failed(self.rids[e])
         lost = (list(eng.queue) + list(self.inflight.get(e) or [])
-                + list(self.rows.pop(e, {}).items()))
+                + [(rid, ep) for rid, (ep, _) in self.rows.pop(e, {}).items()])
         if eng.running and e in self.busy_since and self.scfg.pools[self.pool_of[e]].batching \
                 == "continuous":
             eng.busy_s += self.now - self.busy_since[e]
@@ -360,7 +362,23 @@ class SystemSimulation(Simulation):
 
     def _train_done(self) -> None:
         self._train_end = self.now
+        if self.scfg.sync_interrupts:
+            self._interrupt_rows()
         super()._train_done()
+
+    def _interrupt_rows(self) -> None:
+        """Abort the turns in flight (continuous engines) and queue them again on the same
+        replica: they re-run from scratch after the sync (ROLL / SkyRL's abort-and-reissue)
+        instead of holding the sync until the longest answer ends."""
+        for e, rows in self.rows.items():
+            if not rows:
+                continue
+            eng = self.engines[e]
+            eng.busy_s += self.now - self.busy_since[e]  # the work done so far is lost
+            self.counters["turns_interrupted"] += len(rows)
+            eng.queue.extend((rid, ep) for rid, (ep, _) in rows.items())
+            self.rows[e] = {}
+            eng.running, eng.call_end = 0, self.now
 
     def _sync_done(self) -> None:
         part = self._pending_step

@@ -208,3 +208,19 @@ def test_sharded_routers_split_replicas_and_episodes():
     assert [sorted(x.replica_ids()) for x in sim.routers] == [["a-0", "a-2"], ["a-1", "a-3"]]
     assert r.router["router/shards"] == 2 and r.router["router/new"] == 8
     assert all(b > 0 for b in r.sim.engine_busy_s)  # episodes reached both shards
+
+
+def test_interrupting_sync_reissues_turns_in_flight():
+    # alpha 1 admits batches 0 and 1 at t = 0 on one replica (4 rows, 1 s per step): batch 0
+    # decodes 10 tokens (done at 10, update to 11), batch 1 decodes 30 (in flight at 11).
+    def plan(st, rng):
+        return EpisodePlan((0.0,), None, (10.0 if st.group_id.endswith("0") else 30.0,))
+    args = dict(tasks=[task(prompt=0)], pools=(pool(max_batch=8),), group_size=2, alpha=1,
+                iterations=2, sync_s=0.5)
+    wait = SystemSimulation(system(**args), plan).run_system()
+    intr = SystemSimulation(system(**args, sync_interrupts=True), plan).run_system()
+    # waiting: sync from 11 until the rows end at 30, + 0.5; batch 1 taken at once; update 1 s,
+    # sync 0.5 -> 32.0. Interrupting: sync 11 -> 11.5, rows re-run 30 s -> 41.5, + 1 + 0.5.
+    assert wait.sim.wall_s == pytest.approx(32.0)
+    assert intr.sim.wall_s == pytest.approx(43.0)
+    assert intr.sim.counters["turns_interrupted"] == 2
