@@ -125,7 +125,8 @@ def run(sizes: tuple[int, ...], iterations: int, seed: int) -> list[dict]:
                 rows.append({
                     "gpus": gpus, "workload": "agentic+failures" if failures else "agentic",
                     "mode": mode, "step_s": s["step_s"], "speedup_vs_a": base / s["step_s"],
-                    "breakdown": s["breakdown"], "pool_util": s["pool_util"],
+                    "breakdown": s["breakdown"], "episode_mix": s["episode_mix"],
+                    "pool_util": s["pool_util"],
                     "events_per_s": s["events_per_s"], "mean_staleness": s["mean_staleness"],
                     "router": s["router"], "reward": s["reward"], "counters": s["counters"],
                     "relative_cost": sum(p.gpus * cfg.catalog[p.hw].relative_cost
@@ -180,7 +181,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         ax.bar(labels, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_ylabel(f"seconds per training step ({big} GPUs)")
-    ax.set_title("step breakdown on the trainer's critical path (a-d; ok / with env failures)")
+    ax.set_title("step breakdown on the trainer's critical path (a-e; ok / with env failures)")
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     p = out.parent / "sim_cluster_breakdown.png"

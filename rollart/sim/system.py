@@ -51,7 +51,7 @@ class _Life:
 @dataclass
 class SystemResult:
     sim: SimResult
-    steps: list[dict[str, float]]  # per update: step_s and seconds per PARTS entry
+    steps: list[dict[str, Any]]  # per update: step_s, seconds per PARTS entry, episode_mix
     pool_util: dict[str, float]  # engine pools and the trainer: busy fraction of wall
     router: dict[str, float]
     reward: dict[str, float]
@@ -65,7 +65,10 @@ class SystemResult:
 
     def summary(self) -> dict[str, Any]:
         m = self.mean_step()
-        return {"step_s": m["step_s"],
+        steps = self.steps[1:] or self.steps
+        mix = {k: sum(s["episode_mix"][k] for s in steps) / len(steps)  # type: ignore[index]
+               for k in ("env_startup", "generation", "env_step")} if steps else {}
+        return {"step_s": m["step_s"], "episode_mix": mix,
                 "breakdown": {k: m[k] / m["step_s"] if m["step_s"] else 0.0 for k in PARTS},
                 "wall_s": self.sim.wall_s, "updates": self.sim.updates,
                 "pool_util": self.pool_util,
@@ -105,8 +108,6 @@ class SystemSimulation(Simulation):
                                prefix_cache=r.prefix_cache) for k in range(shards)]
         self.ep_shard: dict[str, Router] = {}
         self.profiles = TaskProfiles(alpha=0.2)
-        self.env_rng = random.Random(cfg.sim.seed + 1)  # own streams: the plans stay the same
-        self.reward_rng = random.Random(cfg.sim.seed + 2)
         self.rewards = RewardPool(cfg.reward) if cfg.reward else None
         self.life: dict[str, _Life] = {}
         self.reward_done: dict[str, float] = {}
@@ -127,7 +128,11 @@ class SystemSimulation(Simulation):
     def _launch(self, starts: list[Start]) -> None:
         env = self.scfg.env
         for st in starts:
-            ep = _Episode(st, self.plan(st, self.rng), 0)
+            # Common random numbers: an episode's plan, start-up and reward draws come from its
+            # own stream (seed, episode id), so every design plays the same episodes and their
+            # differences are the design's, not the draw's.
+            rng = random.Random(f"{self.cfg.seed}/{st.episode_id}")
+            ep = _Episode(st, self.plan(st, rng), 0)
             self.live[st.episode_id] = ep
             self.group_version[st.group_id] = st.version
             self.life[st.episode_id] = life = _Life(self.now)
@@ -138,8 +143,8 @@ class SystemSimulation(Simulation):
                 continue
             delay, ok = 0.0, False
             for _ in range(env.max_attempts):
-                t = env.startup.sample(self.env_rng)
-                if self.env_rng.random() < env.startup_fail_prob:
+                t = env.startup.sample(rng)
+                if rng.random() < env.startup_fail_prob:
                     delay += env.startup_timeout_s  # noticed only when the start times out
                     self.counters["env_startup_failures"] += 1
                 else:
@@ -191,7 +196,8 @@ class SystemSimulation(Simulation):
         self.life[eid].end = self.now
         self.events += 1
         if not failed and self.rewards is not None:
-            cost = self.scfg.reward.cost.sample(self.reward_rng)  # type: ignore[union-attr]
+            rng = random.Random(f"{self.cfg.seed}/reward/{eid}")
+            cost = self.scfg.reward.cost.sample(rng)  # type: ignore[union-attr]
             self.reward_done[eid] = self.rewards.submit(self.now, cost)
             self.events += 2  # invoke, result
         super()._episode_over(ep, failed)
@@ -343,6 +349,13 @@ class SystemSimulation(Simulation):
             part["idle"] += covered * max(0.0, rest) / life
         part["idle"] += wait - covered
         part["reward"] = start - self.now
+        # Where the batch's episodes spent their lives on average (not the critical path).
+        lives = [self.life[eid] for eid in kept]
+        total = sum(x.end - x.start for x in lives) or 1.0
+        part["episode_mix"] = {  # type: ignore[assignment]
+            "env_startup": sum(x.startup_s for x in lives) / total,
+            "generation": sum(x.gen_s for x in lives) / total,
+            "env_step": sum(x.env_s for x in lives) / total}
         self._pending_step = part
         if self.scfg.colocated:
             for eng in self.engines:

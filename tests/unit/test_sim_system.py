@@ -128,7 +128,10 @@ def test_env_startup_and_reward_on_the_critical_path():
     assert s["generation"] == pytest.approx(1.0)
     assert s["reward"] == pytest.approx(6.0)
     assert s["step_s"] == pytest.approx(2 + 1 + 6 + 1.0 + 0.5) == r.sim.wall_s
-    assert set(s) == {"step_s", *PARTS}
+    assert set(s) == {"step_s", "episode_mix", *PARTS}
+    # both episodes: 2 s start-up, 1 s generation, no env time, of a 3 s life
+    assert s["episode_mix"] == pytest.approx({"env_startup": 2 / 3, "generation": 1 / 3,
+                                              "env_step": 0.0})
 
 
 def test_env_startup_failures_retry_after_timeout():
@@ -186,6 +189,20 @@ def test_colocated_engines_pause_during_update():
     split = simulate_system(system(**args)).sim.wall_s
     colo = simulate_system(system(**args, colocated=True)).sim.wall_s
     assert colo > split
+
+
+def test_designs_play_the_same_episodes():
+    # Common random numbers: an episode's draws depend on (seed, episode id), not on the order in
+    # which a design happens to start episodes.
+    t = task(turns=3, decode=5.0, decode_sigma=0.5, latency=LatencyConfig(median_s=1.0))
+    plans = {}
+    for alpha in (0, 1):
+        sim = SystemSimulation(system([t], group_size=2, num_groups=2, alpha=alpha,
+                                      iterations=2))
+        sim.run_system()
+        plans[alpha] = {eid: lf.tokens for eid, lf in sim.life.items()}
+    shared = set(plans[0]) & set(plans[1])
+    assert len(shared) >= 8 and all(plans[0][e] == plans[1][e] for e in shared)
 
 
 def test_bad_system_configs_fail_clearly():
