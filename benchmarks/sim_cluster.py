@@ -138,7 +138,8 @@ def run(sizes: tuple[int, ...], iterations: int, seed: int) -> list[dict]:
                 print(f"  {gpus:5d} GPUs {r['workload']:17s} {mode:18s} step {r['step_s']:7.1f} s"
                       f"  x{r['speedup_vs_a']:.2f}  "
                       + " ".join(f"{k[:5]} {v:.0%}" for k, v in r["breakdown"].items())
-                      + f"  {r['events_per_s']:.0f} ev/s ({r['cpu_s']:.1f} s)", flush=True)
+                      + f"  {r['events_per_s']:.0f} ev/s ({r['cpu_s']:.1f} s)", file=sys.stderr,
+                      flush=True)
     return rows
 
 
@@ -149,7 +150,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("  (no matplotlib: plots skipped; pip install -e '.[bench]')")
+        print("  (no matplotlib: plots skipped; pip install -e '.[bench]')", file=sys.stderr)
         return []
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -204,7 +205,8 @@ def main() -> None:
     print(f"  validation: max error {val['max_error']:.3f} over "
           f"{[k for k, v in val.items() if isinstance(v, dict) and v['instrument']]}"
           + "".join(f"; {k} not scored ({v['max_error']:.2f}): {v['why_not']}"
-                    for k, v in val.items() if isinstance(v, dict) and not v["instrument"]))
+                    for k, v in val.items() if isinstance(v, dict) and not v["instrument"]),
+          file=sys.stderr)
     sizes = tuple(int(x) for x in a.sizes.split(","))
     rows = run(sizes, a.iterations, a.seed)
 

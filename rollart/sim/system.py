@@ -23,59 +23,14 @@ the wait before that episode existed is idle), then reward wait, training, sync.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Any
 
 from rollart.rollout.scheduler import Cancel, Start
 from rollart.routing.profile import TaskProfiles
 from rollart.routing.router import ReplicaSpec, Router, RouteRequest
 from rollart.sim.cluster import SystemConfig
+from rollart.sim.results import PARTS, EpisodeLife, SystemResult
 from rollart.sim.rewards import RewardPool
-from rollart.sim.simulator import Planner, SimResult, Simulation, _Engine, _Episode
-
-PARTS = ("generation", "env_step", "env_startup", "reward", "training", "sync", "idle")
-
-
-@dataclass
-class _Life:
-    """What one episode spent its time on (for the step breakdown)."""
-
-    start: float
-    startup_s: float = 0.0
-    gen_s: float = 0.0  # queued for or inside generate calls
-    env_s: float = 0.0
-    end: float = 0.0
-    tokens: float = 0.0  # prompt + generated tokens of the whole conversation
-
-
-@dataclass
-class SystemResult:
-    sim: SimResult
-    steps: list[dict[str, Any]]  # per update: step_s, seconds per PARTS entry, episode_mix
-    pool_util: dict[str, float]  # engine pools and the trainer: busy fraction of wall
-    router: dict[str, float]
-    reward: dict[str, float]
-    events: int  # rollout-service events (routes, completions, env steps, episode lifecycle)
-
-    def mean_step(self, skip: int = 1) -> dict[str, float]:
-        """Mean step time and breakdown over updates after the first `skip` (warm-up)."""
-        steps = self.steps[skip:] or self.steps
-        keys = ["step_s", *PARTS]
-        return {k: sum(s[k] for s in steps) / len(steps) for k in keys}
-
-    def summary(self) -> dict[str, Any]:
-        m = self.mean_step()
-        steps = self.steps[1:] or self.steps
-        mix = {k: sum(s["episode_mix"][k] for s in steps) / len(steps)  # type: ignore[index]
-               for k in ("env_startup", "generation", "env_step")} if steps else {}
-        return {"step_s": m["step_s"], "episode_mix": mix,
-                "breakdown": {k: m[k] / m["step_s"] if m["step_s"] else 0.0 for k in PARTS},
-                "wall_s": self.sim.wall_s, "updates": self.sim.updates,
-                "pool_util": self.pool_util,
-                "events_per_s": self.events / self.sim.wall_s if self.sim.wall_s else 0.0,
-                "router": self.router, "reward": self.reward,
-                "mean_staleness": self.sim.summary()["mean_staleness"],
-                "counters": self.sim.counters}
+from rollart.sim.simulator import Planner, Simulation, _Engine, _Episode
 
 
 class SystemSimulation(Simulation):
@@ -109,7 +64,7 @@ class SystemSimulation(Simulation):
         self.ep_shard: dict[str, Router] = {}
         self.profiles = TaskProfiles(alpha=0.2)
         self.rewards = RewardPool(cfg.reward) if cfg.reward else None
-        self.life: dict[str, _Life] = {}
+        self.life: dict[str, EpisodeLife] = {}
         self.reward_done: dict[str, float] = {}
         # request id -> (queued at, prefill tokens, decode tokens, new prompt tokens)
         self.turn: dict[str, tuple[float, float, float, float]] = {}
@@ -135,7 +90,7 @@ class SystemSimulation(Simulation):
             ep = _Episode(st, self.plan(st, rng), 0)
             self.live[st.episode_id] = ep
             self.group_version[st.group_id] = st.version
-            self.life[st.episode_id] = life = _Life(self.now)
+            self.life[st.episode_id] = life = EpisodeLife(self.now)
             self.ctx[st.episode_id] = (0.0, float(self.tasks[st.task].first_prompt_tokens))
             self.events += 1
             if env is None:
