@@ -192,22 +192,30 @@ class Simulation:
         if self.now < eng.paused_until:  # weight sync in progress
             self._wake(e)
             return
+        max_batch = self._max_batch(e)
         if self.cfg.batching == "lockstep":
             members = sum(1 for ep in self.live.values() if ep.engine == e)
-            if len(eng.queue) < min(members, m.max_batch):
+            if len(eng.queue) < min(members, max_batch):
                 return  # the next member's turn (or its end) wakes it
-        elif m.batch_wait_s and not eng.gathering and len(eng.queue) < m.max_batch:
+        elif m.batch_wait_s and not eng.gathering and len(eng.queue) < max_batch:
             eng.gathering, eng.pending = True, True
             self._at(self.now + m.batch_wait_s, self._dispatch, e, prio=_DISPATCH)
             return
         eng.gathering = False
         queued = sorted(eng.queue, key=lambda x: x[0])  # by request id, as EngineBatcher
-        items, eng.queue = queued[: m.max_batch], queued[m.max_batch:]
-        dur = m.call_s(len(items))
+        items, eng.queue = queued[:max_batch], queued[max_batch:]
+        dur = self._call_s(e, items)
         eng.running, eng.call_end = len(items), self.now + dur
         eng.busy_s += dur
         eng.calls += 1
         self._at(eng.call_end, self._call_done, e, items)
+
+    def _max_batch(self, e: int) -> int:
+        return self.cfg.engine.max_batch
+
+    def _call_s(self, e: int, items: list[tuple[str, _Episode]]) -> float:
+        """Seconds one generate call over `items` takes on engine `e` (subclasses: per class)."""
+        return self.cfg.engine.call_s(len(items))
 
     def _call_done(self, e: int, items: list[tuple[str, _Episode]]) -> None:
         self.engines[e].running = 0
@@ -241,13 +249,24 @@ class Simulation:
         self.wait_s.append(self.now - self.ready_at)
         self.staleness.append([self.update - self.group_version[g] for g in batch])
         self.batches.append(batch)
-        self.trainer_busy_s += self.cfg.trainer.update_s
-        self._at(self.now + self.cfg.trainer.update_s, self._train_done)
+        start, update_s = self._update_start(batch), self._update_s(batch)
+        self.trainer_busy_s += update_s
+        self._at(start + update_s, self._train_done)
+
+    def _update_start(self, batch: dict[str, list[str]]) -> float:
+        """When the update on a just-taken batch can start (subclasses: after its rewards)."""
+        return self.now
+
+    def _update_s(self, batch: dict[str, list[str]]) -> float:
+        return self.cfg.trainer.update_s
+
+    def _sync_s(self) -> float:
+        return self.cfg.trainer.sync_s
 
     def _train_done(self) -> None:
         # The sync waits for calls in progress, then the engines load weights (no new calls).
         end = max([self.now] + [g.call_end for g in self.engines if g.running])
-        end += self.cfg.trainer.sync_s
+        end += self._sync_s()
         for eng in self.engines:
             eng.paused_until = end
         self._at(end, self._sync_done)

@@ -38,6 +38,12 @@ class TaskModel:
     turn_probs: tuple[float, ...] | None = None
     fail_prob: float = 0.0  # per env step: the step raises and the episode fails
     latency: LatencyConfig = field(default_factory=LatencyConfig)
+    # Tokens, for engines priced by the hardware cost model (rollart.sim.system); 0: unpriced.
+    first_prompt_tokens: int = 0  # the first turn's prompt
+    obs_tokens: int = 0  # prompt tokens each later turn adds (observation / tool output)
+    decode_tokens: float = 0.0  # mean tokens generated per turn
+    decode_sigma: float = 0.0  # lognormal spread of a turn's decode length (0: always the mean)
+    decode_max: float = 0.0  # cap on a turn's decode length (max_new_tokens; 0: none)
 
     def __post_init__(self) -> None:
         where = f"task {self.name!r}"
@@ -57,6 +63,9 @@ class TaskModel:
                f"{where}: fail_prob must be in [0, 1) (got {self.fail_prob})")
         _check(isinstance(self.latency, LatencyConfig),
                f"{where}: latency must be a rollart.config.LatencyConfig")
+        _check(min(self.first_prompt_tokens, self.obs_tokens) >= 0 and self.decode_tokens >= 0
+               and self.decode_sigma >= 0 and self.decode_max >= 0,
+               f"{where}: token counts, decode_sigma and decode_max must be >= 0")
 
     def sample_turns(self, rng: random.Random) -> int:
         if self.turn_probs is not None:
@@ -157,19 +166,31 @@ class EpisodePlan:
 
     step_s: tuple[float, ...]
     fail_at: int | None = None
+    decode: tuple[float, ...] = ()  # tokens generated per turn (priced engines only)
 
     def __post_init__(self) -> None:
         _check(len(self.step_s) >= 1 and all(s >= 0 for s in self.step_s),
                "EpisodePlan.step_s: at least one turn, delays >= 0")
+        _check(not self.decode or len(self.decode) == len(self.step_s),
+               "EpisodePlan.decode: one entry per turn (or none)")
         _check(self.fail_at is None or 0 <= self.fail_at < len(self.step_s),
                f"EpisodePlan.fail_at must index a step (got {self.fail_at})")
 
 
 def sample_plan(task: TaskModel, rng: random.Random) -> EpisodePlan:
-    """Turns, then each step's delay and whether it fails (drawn in that order, from `rng`)."""
+    """Turns, then each step's delay, whether it fails, then decode lengths (drawn in that
+    order, from `rng`; the decode draws come last so unpriced workloads replay as before)."""
     n = task.sample_turns(rng)
     steps = tuple(task.latency.sample(rng) for _ in range(n))
     fail_at = None
     if task.fail_prob:
         fail_at = next((i for i in range(n) if rng.random() < task.fail_prob), None)
-    return EpisodePlan(steps, fail_at)
+    decode: tuple[float, ...] = ()
+    if task.decode_tokens:
+        # Lognormal around the mean (median mean * exp(-sigma^2 / 2)): long answers are rare
+        # but long, which is what makes synchronous batches wait for their slowest member.
+        mu, sigma = -task.decode_sigma ** 2 / 2, task.decode_sigma
+        cap = task.decode_max or float("inf")
+        decode = tuple(min(cap, max(1.0, round(task.decode_tokens * rng.lognormvariate(mu, sigma))))
+                       if sigma else min(cap, task.decode_tokens) for _ in range(n))
+    return EpisodePlan(steps, fail_at, decode)
