@@ -27,7 +27,7 @@ from rollart import stages
 from rollart.config import RunConfig
 from rollart.handles import call
 from rollart.run import RunSpec
-from rollart.spans import SPAN, busy_seconds
+from rollart.spans import SPAN, busy_seconds, info_of
 
 # The hardware-class role (a key of `cluster.stages`) each stage runs on.
 STAGE_ROLE: dict[str, str] = {
@@ -49,9 +49,14 @@ class Pending(Protocol):
 
 
 class StageRunner(Protocol):
-    """Runs stage `stage` (a function of `rollart.stages`) with `args`, after `after`."""
+    """Runs stage `stage` (a function of `rollart.stages`) with `args`, after `after`. A
+    submitted stage's handle may be passed as an argument of a later stage (its value then
+    reaches that stage where it runs); `info` waits for a stage and returns only its info
+    dict (metrics, where it ran, its span), which is all the driver needs from it."""
 
     def submit(self, stage: str, *args: Any, after: Sequence[Pending] = ()) -> Pending: ...
+
+    def info(self, pending: Pending) -> dict[str, Any]: ...
 
 
 class ServiceFactory(Protocol):
@@ -81,6 +86,9 @@ class InProcessRunner:
     def submit(self, stage: str, *args: Any, after: Sequence[Pending] = ()) -> Done:
         fn = getattr(stages, stage)
         return Done(fn(*[a.result() if isinstance(a, Done) else a for a in args]))
+
+    def info(self, pending: Pending) -> dict[str, Any]:
+        return info_of(pending.result()) or {}
 
 
 @dataclass(frozen=True)
@@ -165,15 +173,15 @@ class IterationDriver:
     def start(self, resume_step: int | None = None) -> int:
         """Create the services (restored from checkpoint `resume_step`); returns the first
         iteration to run."""
-        self.placed("prepare", self.runner.submit("prepare", self.run).result())
+        info = self.runner.info
+        self.placed("prepare", info(self.runner.submit("prepare", self.run)))
         f = self.factory
         trainer, engines, hosts = f.trainer(), f.engines(), f.env_hosts()
         first = 0
         if resume_step is not None:  # trainer state, ledger, engine RNG; weights synced below
             self.restored = stages.restore(trainer, engines, resume_step)
             first = int(self.restored["next_iteration"])
-        self.placed("sync_weights",
-                    self.runner.submit("sync_weights", trainer, engines).result())
+        self.placed("sync_weights", info(self.runner.submit("sync_weights", trainer, engines)))
         rollout = f.rollout(engines, hosts, first)
         self.placed("rollout_service", call(rollout, "start") or {})
         self.svc = Services(trainer, engines, hosts, rollout)
@@ -199,19 +207,20 @@ class IterationDriver:
                     after=[synced]) if plan.evaluate else None
 
         m: dict[str, Any] = {"iteration": float(it), "version": float(plan.step)}
-        infos = {"collect": collected.result()[1], "score": scored.result()[1],
-                 "update": updated.result(), "sync_weights": synced.result()}
-        for stage, info in infos.items():
-            m.update(placed(stage, info)["metrics"])
+        info = self.runner.info
+        infos = {"collect": info(collected), "score": info(scored), "update": info(updated),
+                 "sync_weights": info(synced)}
+        for stage, got in infos.items():
+            m.update(placed(stage, got)["metrics"])
         saved = None
         if ckpt is not None:
-            saved = infos["checkpoint"] = placed("checkpoint", ckpt.result())
+            saved = infos["checkpoint"] = placed("checkpoint", info(ckpt))
             call(sv.rollout, "set_version", plan.step)  # engines serve it: episodes may start
             m["perf/checkpoint_s"] = saved["save_s"]  # blocking part; the upload is below
             for up in saved.get("uploaded", []):  # background uploads finished since
                 m["perf/checkpoint_upload_s"] = up["result"]["upload_s"]
         if ev is not None:
-            infos["evaluate"] = placed("evaluate", ev.result())
+            infos["evaluate"] = placed("evaluate", info(ev))
             m.update(infos["evaluate"]["metrics"])
         m.update(control_plane_metrics(infos, wall0, time.time()))
         m["perf/iteration_s"] = time.perf_counter() - t0

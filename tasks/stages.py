@@ -11,6 +11,7 @@ route): `PrefectStages` annotates each stage with the class `cluster.stages` map
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -20,6 +21,7 @@ from prefect.cache_policies import NONE
 from rollart import stages
 from rollart.config import RunConfig
 from rollart.driver import STAGE_ROLE
+from rollart.spans import info_of
 
 _opts = {"cache_policy": NONE, "persist_result": False}
 
@@ -33,13 +35,28 @@ evaluate = task(name="evaluate", **_opts)(stages.evaluate)
 load_checkpoint_weights = task(name="load_checkpoint", **_opts)(stages.load_checkpoint_weights)
 
 
-def on_class_worker(stage: str, resource: str, args: tuple[Any, ...]) -> Any:
+@dataclass
+class StageOutput:
+    """What a threaded stage task returns to Prefect: the Dask future of the stage's value (it
+    stays on the worker that computed it and goes worker to worker to the next stage) and its
+    small info dict. Prefect never sees the trajectories: it walks every task's inputs and
+    outputs, and walking ~100k token ids per stage cost more than the stage itself."""
+
+    future: Any
+    info: dict[str, Any]
+
+
+def on_class_worker(stage: str, resource: str, args: tuple[Any, ...]) -> StageOutput:
     """`cluster.task_runner: threads`: this task runs on a thread of the flow process; the stage
     itself runs as a raw Dask task on a worker carrying `resource` (its hardware class)."""
     from distributed import get_client
 
-    fn = getattr(stages, stage)
-    return get_client().submit(fn, *args, resources={resource: 1}, pure=False).result()
+    client = get_client()
+    args = tuple(a.future if isinstance(a, StageOutput) else a for a in args)
+    fut = client.submit(getattr(stages, stage), *args, resources={resource: 1}, pure=False)
+    # only the info dict comes back to the flow (a tiny task next to the value)
+    info = client.submit(info_of, fut, resources={resource: 1}, pure=False).result()
+    return StageOutput(fut, info or {})
 
 
 _threaded = {name: task(name=name, **_opts)(on_class_worker) for name in STAGE_ROLE}
@@ -60,6 +77,10 @@ class PrefectStages:
             return _threaded[stage].submit(stage, resource, args, wait_for=list(after))
         with dask.annotate(resources={resource: 1}):
             return globals()[stage].submit(*args, wait_for=list(after))
+
+    def info(self, pending: Any) -> dict[str, Any]:
+        out = pending.result()
+        return out.info if isinstance(out, StageOutput) else info_of(out) or {}
 
 
 def task_runner(cfg: RunConfig, address: str) -> Any:

@@ -102,6 +102,10 @@ class Runner:
                          "uploaded": [{"result": {"upload_s": 0.5}}]})
         return Done(info)
 
+    def info(self, pending: Done) -> dict[str, Any]:
+        v = pending.result()
+        return v[1] if isinstance(v, tuple) else v
+
 
 def test_driver_runs_the_stages_in_order_and_merges_metrics(tmp_path):
     cfg = cfg_with(tmp_path, "iterations=3", "storage.save_every=2", "eval.every=0",
