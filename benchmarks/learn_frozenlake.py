@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollart.config import load_config  # noqa: E402
 from rollart.progress import format_row  # noqa: E402
 
-KEEP = ["iteration", "reward/mean", "rollout/success_rate", "rollout/format_error_rate",
+KEEP = ["iteration", "reward/mean", "rollout/success_rate", "rollout/no_action_rate",
         "rollout/episode_len", "train/entropy", "eval/success_rate", "perf/iteration_s",
         "perf/elapsed_s"]
 

@@ -250,6 +250,22 @@ class EvalConfig(_Strict):
     every: int = Field(10, ge=0)  # 0: only at the end
 
 
+class LoggingConfig(_Strict):
+    """Where metrics go besides the run's `metrics.jsonl` (always written)."""
+
+    tensorboard: bool = False  # scalars per iteration, `tensorboard --logdir <dir>`
+    tensorboard_dir: str = "artifacts/tensorboard"  # local directory; one subdirectory per run
+
+    @model_validator(mode="after")
+    def _tensorboard_installed(self) -> LoggingConfig:
+        import importlib.util
+
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("logging.tensorboard needs the tensorboard package "
+                             "(pip install 'rollart[tensorboard]', part of the dev venv)")
+        return self
+
+
 # ---------------------------------------------------------------- hardware affinity (issue 7)
 
 
@@ -267,6 +283,7 @@ class RunConfig(_Strict):
     cluster: ClusterConfig = ClusterConfig()
     storage: StorageConfig = StorageConfig()
     eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
     # Hardware classes by name; entries given here are merged over the defaults
     # (rollart.routing.catalog), so `--set hardware.H20.relative_cost=0.5` changes one figure.
     hardware: dict[str, HardwareClass] = Field(default_factory=default_catalog)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from rollart import stages
 from rollart.config import RunConfig
 from rollart.handles import call
+from rollart.metric_sinks import make_sinks
 from rollart.run import RunSpec
 from rollart.spans import SPAN, busy_seconds, info_of
 
@@ -165,6 +166,7 @@ class IterationDriver:
         self.placed = placement or Placement()
         self.eval_every = eval_every
         self.store = run.store()
+        self.sinks = make_sinks(run.cfg, run.run_id)
         self.svc: Services | None = None
         self.restored: dict[str, Any] | None = None
         self.t_start = time.perf_counter()
@@ -226,6 +228,8 @@ class IterationDriver:
         m["perf/iteration_s"] = time.perf_counter() - t0
         m["perf/elapsed_s"] = time.perf_counter() - self.t_start
         self.store.append_jsonl("metrics.jsonl", m)
+        for sink in self.sinks:
+            sink.write(plan.step, m)
         return IterationResult(plan, m, saved)
 
     def iterations(self, first: int,
@@ -257,12 +261,19 @@ class IterationDriver:
         rollout_stats["env_hosts"] = self.factory.host_stats(sv.hosts)
         uploads = call(sv.trainer, "flush_checkpoints")
         shards = self.factory.flush_shards()
+        self._close_sinks()
         return {"rollout": rollout_stats, "uploads": uploads, "shards_flushed": shards,
                 "fingerprints": {"trainer": call(sv.trainer, "fingerprint"),
                                  "engine": call(sv.engines[0], "fingerprint")}}
 
+    def _close_sinks(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
     def abort(self) -> None:
         """After a failure: stop the rollout service's episodes (best effort)."""
+        self._close_sinks()
         if self.svc is not None and self.svc.rollout is not None:
             try:
                 call(self.svc.rollout, "stop")

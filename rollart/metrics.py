@@ -22,6 +22,12 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "rollout") -> dict[st
         f"{prefix}/success_rate": _mean([float(t.success) for t in ok]),
         f"{prefix}/env_return": _mean([t.env_return for t in ok]),
         f"{prefix}/episode_len": _mean([float(x) for x in turns]),
+        # turns whose response gave the env no action at all (a no-op turn): the failure
+        f"{prefix}/no_action_rate": (
+            sum(u.action is None for t in ok for u in t.turns) / max(sum(turns), 1)
+        ),
+        # turns not in the strict `<answer>X</answer>` format; with `parser: lenient` a bare
+        # action word still acts, so this may sit near 1.0 while the policy succeeds
         f"{prefix}/format_error_rate": (
             sum(t.format_errors for t in ok) / max(sum(turns), 1)
         ),
@@ -59,7 +65,7 @@ SUMMARY_KEYS = [
     ("reward", "reward/mean"),
     ("success", "rollout/success_rate"),
     ("ep_len", "rollout/episode_len"),
-    ("fmt_err", "rollout/format_error_rate"),
+    ("no_action", "rollout/no_action_rate"),
     ("tokens", "rollout/model_tokens"),
     ("entropy", "train/entropy"),
     ("eval", "eval/success_rate"),

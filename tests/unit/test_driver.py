@@ -173,3 +173,20 @@ def test_busy_seconds_and_orchestration_split():
     assert m["perf/stage/collect_s"] == 1.0 and m["perf/stage/update_s"] == 0.5
     assert m["perf/stage_busy_s"] == 1.5
     assert m["perf/orchestration_s"] == 1.0 and m["perf/orchestration_share"] == 0.4
+
+
+def test_metrics_go_to_tensorboard_when_asked(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = cfg_with(tmp_path, "iterations=2", "eval.episodes=0", "logging.tensorboard=true",
+                   f"logging.tensorboard_dir={tmp_path / 'tb'}")
+    log: list[Any] = []
+    driver = IterationDriver(RunSpec(cfg, "tb-run"), Runner(log), Factory(log))
+    curve = driver.iterations(driver.start())
+    driver.finish()
+    acc = EventAccumulator(str(tmp_path / "tb" / "tb-run"))
+    acc.Reload()
+    assert "perf/update" in acc.Tags()["scalars"] and "iteration" not in acc.Tags()["scalars"]
+    got = [(e.step, e.value) for e in acc.Scalars("perf/iteration_s")]
+    assert [s for s, _ in got] == [1, 2]
+    assert [v for _, v in got] == pytest.approx([m["perf/iteration_s"] for m in curve])
