@@ -65,7 +65,7 @@ SUMMARY_KEYS = [
     ("reward", "reward/mean"),
     ("success", "rollout/success_rate"),
     ("ep_len", "rollout/episode_len"),
-    ("no_action", "rollout/no_action_rate"),
+    ("no_act", "rollout/no_action_rate"),
     ("tokens", "rollout/model_tokens"),
     ("entropy", "train/entropy"),
     ("eval", "eval/success_rate"),
