@@ -9,11 +9,12 @@ scheduler address, runs on a cluster whose workers were started with `dask worke
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import dask
 from distributed import Nanny, Scheduler, SpecCluster
 
-from rollart.cluster_classes import default_workers
+from rollart.cluster_classes import default_workers, worker_classes
 
 # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in every worker it spawns (glibc hands freed
 # memory back to the OS eagerly); we leave glibc's default. An early one-off measurement blamed it
@@ -32,13 +33,22 @@ def configure_worker_environ() -> None:
     dask.config.set({"distributed.nanny.pre-spawn-environ": dict(WORKER_ENVIRON)})
 
 
+class PatientNanny(Nanny):
+    """A worker process that holds torch, transformers and a model takes a few seconds to exit
+    on a busy 2-core host; Nanny's default (5 s, of which 4 s to exit before it kills) logged
+    "still alive ..., killing" at the end of every successful run. Give it 20 s."""
+
+    async def close(self, timeout: float = 20, reason: str = "nanny-close") -> Literal["OK"]:
+        return await super().close(timeout=max(timeout, 20), reason=reason)
+
+
 def worker_spec(workers: dict[str, int], threads_per_worker: int = 1) -> dict[str, dict]:
     """Spec for SpecCluster: one entry per worker, named `{class}-{i}`, resource `{class}: 1`."""
     spec: dict[str, dict] = {}
     for hw_class, count in workers.items():
         for i in range(count):
             spec[f"{hw_class}-{i}"] = {
-                "cls": Nanny,
+                "cls": PatientNanny,
                 "options": {
                     "nthreads": threads_per_worker,
                     "resources": {hw_class: 1},
@@ -81,10 +91,4 @@ class HardwareClassCluster(SpecCluster):
         )
 
 
-def worker_classes(client) -> dict[str, list[str]]:
-    """Map hardware class -> worker addresses, from the scheduler's view of worker resources."""
-    out: dict[str, list[str]] = {}
-    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
-        for res in info.get("resources", {}):
-            out.setdefault(res, []).append(addr)
-    return out
+__all__ = ["HardwareClassCluster", "PatientNanny", "worker_classes", "worker_spec"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 # Hardware class (= Dask resource name) -> worker count on the embedded cluster: one
 # compute-optimised GPU class (trainer, prefill), one bandwidth-optimised (decode), one CPU pool.
@@ -29,3 +30,13 @@ def default_workers() -> dict[str, int]:
 def default_stages() -> dict[str, str]:
     """A fresh, mutable copy of `DEFAULT_STAGES`."""
     return dict(DEFAULT_STAGES)
+
+
+def worker_classes(client: Any) -> dict[str, list[str]]:
+    """Hardware class -> worker addresses of a running cluster (a `distributed.Client`), from
+    the scheduler's view of worker resources."""
+    out: dict[str, list[str]] = {}
+    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        for res in info.get("resources", {}):
+            out.setdefault(res, []).append(addr)
+    return out

@@ -15,6 +15,7 @@ from typing import Any
 from distributed import Client
 from distributed.actor import Actor
 
+from rollart.cluster_classes import worker_classes
 from rollart.config import RunConfig
 from rollart.driver import Placement
 from rollart.handles import call
@@ -22,15 +23,6 @@ from rollart.rollout.env_host import EnvHostService
 from rollart.run import RunSpec
 from rollart.services import EngineService, RolloutServiceActor, TrainerService
 from rollart.storage.background import flush_all
-
-
-def worker_classes(client: Client) -> dict[str, list[str]]:
-    """Map hardware class -> worker addresses, from the scheduler's view of worker resources."""
-    out: dict[str, list[str]] = {}
-    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
-        for res in info.get("resources", {}):
-            out.setdefault(res, []).append(addr)
-    return out
 
 
 def check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
