@@ -56,10 +56,11 @@ class ModelSpec:
 
     def cost_model(self, decode_batch: int) -> CostModel:
         """The router's cost model (rollart.routing.CostModel; for a dense model the same as
-        CostModel.for_model)."""
+        CostModel.for_model), batch-aware over `decode_batch` rows as the rollout service
+        configures it (routing.decode_batch: the engines' batch)."""
         return CostModel(flops_per_token=2.0 * self.active,
                          bytes_per_token=self.weight_bytes / max(decode_batch, 1)
-                         + self.kv_bytes_per_token)
+                         + self.kv_bytes_per_token, decode_batch=max(decode_batch, 1))
 
 
 @dataclass(frozen=True)
