@@ -231,9 +231,12 @@ def main() -> None:
         "model": asdict(MODEL), "tp": TP,
         "modes": MODES, "parts": list(PARTS),
         "validation": val,
-        "validation_max_error": val["max_error"],
+        # every part of every check; the rule that scores only parts whose simulated router
+        # reproduced the measured decisions was written after seeing the results: reported
+        # separately, never as the headline
+        "validation_max_error": val["max_error_all"],
         "validation_scored": scored_parts(val),
-        "validation_max_error_all": val["max_error_all"],
+        "validation_max_error_scored": val["max_error"],
         f"rollart_speedup_{big}": d_ok["speedup_vs_a"] if d_ok else None,
         f"rollart_speedup_{big}_with_failures": d_fail["speedup_vs_a"] if d_fail else None,
         "rows": rows,
@@ -241,7 +244,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plots(rows, out)
     out.write_text(json.dumps(result, indent=1))
-    print(f"sim_cluster: validation max error {val['max_error']:.3f}; RollArt (d) vs monolithic "
+    print(f"sim_cluster: validation max error {val['max_error_all']:.3f} (scored parts "
+          f"{val['max_error']:.3f}); RollArt (d) vs monolithic "
           f"sync (a) at {big} GPUs: x{result[f'rollart_speedup_{big}']:.2f} (with env failures "
           f"x{result[f'rollart_speedup_{big}_with_failures']:.2f}); "
           + ", ".join(f"{r['mode'][0]} {r['step_s']:.0f} s" for r in rows
