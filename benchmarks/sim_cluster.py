@@ -193,7 +193,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
 
 
 def scored_parts(val: dict) -> list[str]:
-    """The parts of the validation that validation_max_error counts."""
+    """The parts of the validation that validation_max_error_scored counts."""
     return [k if "scored" not in v else f"{k}.{x}" for k, v in val.items()
             if isinstance(v, dict) and v["instrument"] for x in v.get("scored", [k])]
 
