@@ -99,6 +99,6 @@ def evaluate_on_cluster(run: RunSpec, step: int, episodes: int, address: str) ->
                                ).result()
         stages = PrefectStages(run.cfg)
         loaded = stages.submit("load_checkpoint_weights", engine, step)
-        out = stages.submit("evaluate", run, [engine], episodes, after=[loaded]).result()
-        weights = loaded.result()
+        out = stages.info(stages.submit("evaluate", run, [engine], episodes, after=[loaded]))
+        weights = stages.info(loaded)
     return {**out["metrics"], "eval/weight_version": float(weights["version"])}
