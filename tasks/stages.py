@@ -54,9 +54,14 @@ def on_class_worker(stage: str, resource: str, args: tuple[Any, ...]) -> StageOu
     client = get_client()
     args = tuple(a.future if isinstance(a, StageOutput) else a for a in args)
     fut = client.submit(getattr(stages, stage), *args, resources={resource: 1}, pure=False)
-    # only the info dict comes back to the flow (a tiny task next to the value)
-    info = client.submit(info_of, fut, resources={resource: 1}, pure=False).result()
+    if stage in _BULKY:  # only the info dict comes back to the flow (a tiny task next to it)
+        info = client.submit(info_of, fut, resources={resource: 1}, pure=False).result()
+    else:  # the value is its info dict: one round trip
+        info = info_of(fut.result())
     return StageOutput(fut, info or {})
+
+
+_BULKY = frozenset({"collect", "score"})  # stages whose value carries the trajectories
 
 
 _threaded = {name: task(name=name, **_opts)(on_class_worker) for name in STAGE_ROLE}
