@@ -20,7 +20,7 @@ from rollart.cluster_classes import default_workers, worker_classes
 # memory back to the OS eagerly); we leave glibc's default. An early one-off measurement blamed it
 # for a 1.5x torch slowdown in workers; `benchmarks/worker_malloc.py` does not reproduce that
 # (results/worker_malloc.json: same step time with and without it). What did speed the flow up
-# was setting torch threads in the thread that runs the work (see rollart/services.py).
+# was setting torch threads in the thread that runs the work (see rollart/services/engine.py).
 WORKER_ENVIRON = {
     "MALLOC_TRIM_THRESHOLD_": None,
     "OMP_NUM_THREADS": 1,
