@@ -39,16 +39,9 @@ def timed_stage(fn: F) -> F:
 
 def busy_seconds(spans: Iterable[tuple[float, float]], start: float, end: float) -> float:
     """Length of the union of `spans` clipped to [start, end] (concurrent stages count once)."""
-    total, cur_a, cur_b = 0.0, None, None
-    for a, b in sorted((max(a, start), min(b, end)) for a, b in spans):
-        if b <= a:
-            continue
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a  # type: ignore[operator]
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a  # type: ignore[operator]
+    total, reach = 0.0, start
+    for a, b in sorted(spans):  # by start: each span adds only what lies past `reach`
+        b = min(b, end)
+        total += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
     return total

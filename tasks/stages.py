@@ -24,15 +24,15 @@ from rollart.driver import STAGE_ROLE
 from rollart.spans import info_of
 
 _opts = {"cache_policy": NONE, "persist_result": False}
-
-prepare = task(name="prepare", **_opts)(stages.prepare)
-collect = task(name="collect", **_opts)(stages.collect)
-score = task(name="score", **_opts)(stages.score)
-update = task(name="update", **_opts)(stages.update)
-sync_weights = task(name="sync_weights", **_opts)(stages.sync_weights)
-checkpoint = task(name="checkpoint", retries=2, retry_delay_seconds=2, **_opts)(stages.checkpoint)
-evaluate = task(name="evaluate", **_opts)(stages.evaluate)
-load_checkpoint_weights = task(name="load_checkpoint", **_opts)(stages.load_checkpoint_weights)
+# Task name and options per stage (every stage the driver knows); both task runners build their
+# tasks from this one table.
+_TASKS: dict[str, dict[str, Any]] = {s: {"name": s} for s in STAGE_ROLE} | {
+    "checkpoint": {"name": "checkpoint", "retries": 2, "retry_delay_seconds": 2},
+    "load_checkpoint_weights": {"name": "load_checkpoint"},
+}
+# `cluster.task_runner: dask`: the stage body itself is the task (shipped to its worker).
+_shipped = {s: task(**o, **_opts)(getattr(stages, s)) for s, o in _TASKS.items()}
+_BULKY = frozenset({"collect", "score"})  # stages whose value carries the trajectories
 
 
 @dataclass
@@ -61,10 +61,8 @@ def on_class_worker(stage: str, resource: str, args: tuple[Any, ...]) -> StageOu
     return StageOutput(fut, info or {})
 
 
-_BULKY = frozenset({"collect", "score"})  # stages whose value carries the trajectories
-
-
-_threaded = {name: task(name=name, **_opts)(on_class_worker) for name in STAGE_ROLE}
+# `cluster.task_runner: threads`: the same task names and options around `on_class_worker`.
+_threaded = {s: task(**o, **_opts)(on_class_worker) for s, o in _TASKS.items()}
 
 
 class PrefectStages:
@@ -81,7 +79,7 @@ class PrefectStages:
         if self.threads:
             return _threaded[stage].submit(stage, resource, args, wait_for=list(after))
         with dask.annotate(resources={resource: 1}):
-            return globals()[stage].submit(*args, wait_for=list(after))
+            return _shipped[stage].submit(*args, wait_for=list(after))
 
     def info(self, pending: Any) -> dict[str, Any]:
         out = pending.result()

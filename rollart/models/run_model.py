@@ -76,7 +76,8 @@ def chat_format(run: RunSpec) -> ChatFormat:
             return ChatFormat(AutoTokenizer.from_pretrained(path, local_files_only=True))
         return ChatFormat(load_run_tokenizer(run.store()))
 
-    return _cached(("chat", path or run.store().url), make)
+    # keyed without opening the store: a cache hit costs nothing
+    return _cached(("chat", path or f"{run.cfg.storage.root}/{run.run_id}"), make)
 
 
 def build_model(run: RunSpec) -> tuple[torch.nn.Module, Any]:

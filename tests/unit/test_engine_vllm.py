@@ -156,9 +156,8 @@ def test_backend_from_config_runs_an_iteration(tmp_path, engine):
         # error bound of a length-n float32 reduction is n * u (u = 2**-24); with n = 256 (the
         # MLP width), ~10 dependent reductions from the embedding to the logits and logits of
         # magnitude <= ~6, a token's log-prob may differ by up to ~1e-3. Measured means: ~1e-6
-        # on most hosts, 3.2e-4 on an AMD EPYC host (one second-turn token at 3e-3). Tokens of a
-        # one-update-stale policy differ by 0.02-0.5 each (affinity-mix run), so this still
-        # tells the same weights from other weights.
+        # on most hosts, 3.2e-4 on an AMD EPYC host (this test, after test_affinity_run in the
+        # same process: one second-turn token at 3e-3).
         assert m["train/logprob_mismatch"] < 1e-3
         assert engines[0].weight_version() == 1  # synced after the update
         assert type(engines[0].engine).__name__ == "VLLMEngine"
