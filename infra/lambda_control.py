@@ -21,6 +21,7 @@ from infra.lambda_functions import (
     Function,
     FunctionSpec,
     Version,
+    check_handler,
     check_name,
     code_identity,
     resolve_handler,
@@ -31,6 +32,9 @@ from infra.lambda_runtime_worker import VersionSpec
 
 Reply = tuple[int, Any]
 FN = r"/(?P<fn>[^/]+)"
+# What `POST /local/functions` may set: a name, a packaged reward and limits; never code_dir or
+# env (PYTHONPATH, LD_PRELOAD, ...), which would run code from outside the project.
+REGISTER_FIELDS = {"name", "handler", "concurrency", "timeout_s", "memory_mb"}
 
 
 class ControlPlane:
@@ -56,7 +60,11 @@ class ControlPlane:
         if not zip_b64:
             raise ApiError(400, "InvalidParameterValueException",
                            "only Code.ZipFile is supported by the local endpoint (no S3/images)")
-        data = base64.b64decode(zip_b64)
+        try:
+            data = base64.b64decode(zip_b64, validate=True)
+        except ValueError:
+            raise ApiError(400, "InvalidParameterValueException",
+                           "Code.ZipFile is not base64") from None
         dest = self._root / "code" / name / uuid.uuid4().hex[:12]
         dest.mkdir(parents=True)
         unpack_zip(data, dest)
@@ -76,11 +84,49 @@ class ControlPlane:
             self._functions[spec.name] = fn
         return fn
 
+    def register_packaged(self, req: dict[str, Any]) -> Reply:
+        """`POST /local/functions` (signed): a function running one of the project's built-in
+        reward handlers from the project itself. A name already taken keeps its handler
+        (change it with UpdateFunctionConfiguration, as on AWS)."""
+        from rollart.rewards.registry import BUILTINS
+
+        bad = sorted(set(req) - REGISTER_FIELDS)
+        if bad:
+            raise ApiError(400, "InvalidParameterValueException",
+                           f"unsupported field(s) {', '.join(bad)}: only the project's packaged "
+                           "reward handlers can be registered (name, handler, concurrency, "
+                           "timeout_s, memory_mb)")
+        handler = str(req.get("handler", ""))
+        if handler not in BUILTINS and handler not in BUILTINS.values():
+            raise ApiError(400, "InvalidParameterValueException",
+                           f"handler {handler!r} is not a packaged reward handler "
+                           f"({', '.join(BUILTINS)})")
+        try:
+            spec = FunctionSpec(str(req.get("name", "")), handler,
+                                concurrency=int(req.get("concurrency", self.default_concurrency)),
+                                timeout_s=float(req.get("timeout_s", 30.0)),
+                                memory_mb=int(req.get("memory_mb", 512)))
+        except (TypeError, ValueError):
+            raise ApiError(400, "InvalidParameterValueException",
+                           "concurrency, timeout_s and memory_mb must be numbers") from None
+        if not (1 <= spec.concurrency <= 1000 and 0 < spec.timeout_s <= 900
+                and 128 <= spec.memory_mb <= 10240):
+            raise ApiError(400, "InvalidParameterValueException",
+                           "concurrency 1..1000, timeout_s (0, 900], memory_mb 128..10240")
+        with self._lock:
+            old = self._functions.get(spec.name)
+            if old is not None and old.latest.spec.handler != resolve_handler(handler):
+                raise ApiError(409, "ResourceConflictException",
+                               f"Function already exist: {spec.name}")
+        fn = self.register(spec)
+        return 201, fn.configuration(fn.latest)
+
     def create_function(self, req: dict[str, Any]) -> Reply:
         name = str(req.get("FunctionName", ""))
         check_name(name)
         if not req.get("Handler"):
             raise ApiError(400, "InvalidParameterValueException", "Handler is required")
+        check_handler(str(req["Handler"]))
         code_dir, sha, size = self._unpack(name, (req.get("Code") or {}).get("ZipFile"))
         env = dict((req.get("Environment") or {}).get("Variables") or {})
         vspec = VersionSpec(name, "$LATEST", req["Handler"], float(req.get("Timeout", 3)),
@@ -134,6 +180,7 @@ class ControlPlane:
             fn = self._function(raw)
             changes: dict[str, Any] = {}
             if "Handler" in req:
+                check_handler(str(req["Handler"]))
                 changes["handler"] = req["Handler"]
             if "Timeout" in req:
                 changes["timeout_s"] = float(req["Timeout"])
@@ -221,6 +268,5 @@ class ControlPlane:
         if path == "/local/metrics" and method == "GET":
             return 200, self.metrics()
         if path == "/local/functions" and method == "POST":
-            fn_ = self.register(FunctionSpec(**req))
-            return 201, fn_.configuration(fn_.latest)
+            return self.register_packaged(req)
         raise ApiError(404, "UnknownOperationException", f"{method} {path}")

@@ -12,13 +12,18 @@ lambda_runtime_worker.py). Like Lambda, it:
 - answers 429 TooManyRequestsException when a function has `concurrency` invocations in flight;
 - reports handler errors as HTTP 200 + `X-Amz-Function-Error: Unhandled` + errorType,
   errorMessage, stackTrace; kills a worker past the function timeout (Sandbox.Timedout);
-- disables Nagle on every socket (headers and body are separate writes: ~40-90 ms otherwise).
+- disables Nagle on every socket (headers and body are separate writes: ~40-90 ms otherwise);
+- authenticates like AWS: every request but `GET /local/health` must carry a SigV4 signature
+  made with the endpoint's key pair (`credentials`; 403 otherwise, see lambda_auth.py), a
+  loopback Host, no browser Origin, and a Content-Length within the limits (413/400).
 
     with LocalLambda([FunctionSpec("env_outcome", "env_outcome", concurrency=8)]) as lam:
-        boto3.client("lambda", endpoint_url=lam.url, ...).invoke(FunctionName="env_outcome")
+        make_boto3_client(lam.url, "us-east-1", 30, 8, lam.credentials).invoke(
+            FunctionName="env_outcome")
 
-CLI: `python -m infra.lambda_endpoint --port 9001 --function env_outcome=env_outcome`.
-Metrics: `LocalLambda.metrics()` or `GET /local/metrics`.
+CLI: `python -m infra.lambda_endpoint --port 9001 --function env_outcome=env_outcome`, with the
+key pair in ROLLART_LAMBDA_ACCESS_KEY_ID / ROLLART_LAMBDA_SECRET_ACCESS_KEY.
+Metrics: `LocalLambda.metrics()` or a signed `GET /local/metrics`.
 """
 
 from __future__ import annotations
@@ -40,19 +45,29 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from infra.lambda_auth import check_host, verify_sigv4
 from infra.lambda_control import FN, ControlPlane
 from infra.lambda_functions import ApiError, Function, FunctionSpec, split_name
 from infra.lambda_runtime_worker import PASS_ENV, Invocation, Pool, VersionSpec
+from rollart.rewards.client import LambdaCredentials
+
+# Lambda's own limits: 6 MB for a synchronous Invoke payload; a CreateFunction body carries a
+# zip of at most 50 MB, base64-encoded inside JSON (~67 MB). Nothing larger is read.
+MAX_INVOKE_BYTES = 6 * 1024 * 1024
+MAX_CONTROL_BYTES = 70 * 1024 * 1024
 
 
 class LocalLambda(ControlPlane):
     def __init__(self, functions: list[FunctionSpec] | tuple[FunctionSpec, ...] = (),
                  host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 60.0,
                  init_timeout_s: float = 10.0, default_concurrency: int = 8,
-                 region: str = "us-east-1") -> None:
+                 region: str = "us-east-1",
+                 credentials: LambdaCredentials | None = None) -> None:
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError("the local Lambda endpoint listens on loopback only")
         self.host, self.port, self.region = host, port, region
+        # The only key pair accepted; a fresh random one unless the caller shares its own.
+        self.credentials = credentials or LambdaCredentials.generate()
         self.idle_timeout_s, self.init_timeout_s = idle_timeout_s, init_timeout_s
         self.default_concurrency = default_concurrency
         self._lock = threading.Lock()
@@ -231,6 +246,8 @@ class LocalLambda(ControlPlane):
 
     def route(self, method: str, path: str, query: dict[str, list[str]], body: bytes,
               headers: Any) -> tuple[int, dict[str, str], bytes]:
+        if method == "GET" and path == "/local/health":  # liveness only: names nothing
+            return 200, {}, b'{"ok": true}'
         qual = (query.get("Qualifier") or [None])[0]
         if method == "POST" and (m := re.fullmatch(f"/2015-03-31/functions{FN}/invocations", path)):
             return self.invoke(unquote(m["fn"]), qual, body,
@@ -239,6 +256,8 @@ class LocalLambda(ControlPlane):
             req = json.loads(body) if body else {}
         except ValueError:
             raise ApiError(400, "InvalidRequestContentException", "body is not JSON") from None
+        if not isinstance(req, dict):
+            raise ApiError(400, "InvalidRequestContentException", "body is not a JSON object")
         status, out = self.control(method, path, qual, req)
         data = b"" if out is None else json.dumps(out).encode()
         return status, {}, data
@@ -262,10 +281,40 @@ class _ApiHandler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
 
+    timeout = 60  # socket timeout: a client that stalls mid-request cannot pin a thread forever
+
+    def _read_body(self, path: str) -> bytes:
+        """The body, after checking its declared length; nothing is read past the limit."""
+        if "Transfer-Encoding" in self.headers:  # boto3 never chunks Lambda requests
+            raise ApiError(411, "LengthRequiredException", "Content-Length is required")
+        raw = (self.headers.get("Content-Length") or "0").strip()
+        if not raw.isdigit():  # also "-1": int() would accept it and read() would hang
+            raise ApiError(400, "InvalidRequestContentException",
+                           "Content-Length must be a non-negative integer")
+        size = int(raw)
+        limit = MAX_INVOKE_BYTES if path.endswith("/invocations") else MAX_CONTROL_BYTES
+        if size > limit:
+            raise ApiError(413, "RequestTooLargeException",
+                           f"Request must be smaller than {limit} bytes for this operation")
+        return self.rfile.read(size)
+
+    def _check(self, method: str, path: str, body: bytes) -> None:
+        lam = self.server.lam
+        check_host(self.headers.get("Host"))
+        if self.headers.get("Origin"):  # a web page: boto3 never sends Origin
+            raise ApiError(403, "AccessDeniedException", "cross-origin requests are refused")
+        if not (method == "GET" and path == "/local/health"):
+            verify_sigv4(method, self.path, self.headers, body, lam.credentials, lam.region)
+
     def _handle(self, method: str) -> None:
         url = urlsplit(self.path)
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
+            try:
+                body = self._read_body(url.path)
+            except ApiError:
+                self.close_connection = True  # the unread body would be parsed as a request
+                raise
+            self._check(method, url.path, body)
             status, headers, out = self.server.lam.route(method, url.path, parse_qs(url.query),
                                                          body, self.headers)
         except ApiError as err:
@@ -274,9 +323,14 @@ class _ApiHandler(BaseHTTPRequestHandler):
             if err.status == 429:
                 doc["Reason"] = "ReservedFunctionConcurrentInvocationLimitExceeded"
             out = json.dumps(doc).encode()
-        except Exception as err:  # noqa: BLE001 - a bug here must not kill the server thread
+        except Exception:  # noqa: BLE001 - a bug here must not kill the server thread
+            # The client learns only that it failed; the traceback goes to the endpoint's log.
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
             status, headers = 500, {"x-amzn-ErrorType": "ServiceException"}
-            out = json.dumps({"Type": "Service", "message": repr(err)}).encode()
+            msg = "An internal error occurred in the local Lambda endpoint."
+            out = json.dumps({"Type": "Service", "message": msg, "Message": msg}).encode()
         self.send_response(status)
         headers.setdefault("x-amzn-RequestId", str(uuid.uuid4()))
         self.send_header("Content-Type", "application/json")
@@ -307,7 +361,10 @@ def with_embedded_endpoint(cfg: Any, stack: contextlib.ExitStack) -> Any:
         return cfg
     spec = FunctionSpec(r.lambda_name, r.function, concurrency=r.max_concurrency,
                         timeout_s=r.timeout_s)
-    lam = stack.enter_context(LocalLambda([spec], idle_timeout_s=30))
+    lam = stack.enter_context(LocalLambda([spec], idle_timeout_s=30,
+                                          credentials=LambdaCredentials.from_env()))
+    # This process and what it starts from now on (an embedded Dask cluster) sign with its keys.
+    os.environ.update(lam.credentials.env())
     return cfg.model_copy(update={"reward": r.model_copy(update={"endpoint_url": lam.url})})
 
 
@@ -320,10 +377,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--idle-timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
+    creds = LambdaCredentials.from_env()
+    if creds is None:  # fail closed: an endpoint nobody can call, or anybody, helps no one
+        sys.exit("infra.lambda_endpoint: set ROLLART_LAMBDA_ACCESS_KEY_ID and "
+                 "ROLLART_LAMBDA_SECRET_ACCESS_KEY (the key pair clients sign with)")
     specs = [FunctionSpec(n, h or n, args.concurrency, args.timeout)
              for n, _, h in (f.partition("=") for f in args.function)]
     lam = LocalLambda(specs, port=args.port, idle_timeout_s=args.idle_timeout,
-                      default_concurrency=args.concurrency).start()
+                      default_concurrency=args.concurrency, credentials=creds).start()
     print(f"local Lambda endpoint on {lam.url} (functions: "
           f"{', '.join(s.name for s in specs) or 'none; deploy some'})", flush=True)
     done = threading.Event()

@@ -22,6 +22,10 @@ from typing import Any
 from infra.lambda_runtime_worker import VersionSpec
 
 ACCOUNT = "000000000000"
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+UNZIPPED_LIMIT = 250 * 1024 * 1024  # Lambda's limit for an unpacked deployment package
+# Files the interpreter runs on start-up from any sys.path entry: never from a package.
+STARTUP_HOOKS = ("sitecustomize.py", "usercustomize.py")
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
@@ -67,8 +71,43 @@ def split_name(raw: str, qualifier: str | None) -> tuple[str, str | None]:
     return name, qualifier or qual
 
 
+def check_handler(handler: str) -> None:
+    """Deployed functions run this project's reward handlers (rollart.rewards.*) only."""
+    if not handler.startswith("rollart.rewards.") or not all(
+            part.isidentifier() for part in handler.split(".")):
+        raise ApiError(400, "InvalidParameterValueException",
+                       f"Handler {handler!r} is not one of this project's reward handlers "
+                       "(rollart.rewards.<module>.<function>)")
+
+
+def _bad_zip(message: str) -> ApiError:
+    return ApiError(400, "InvalidParameterValueException", message)
+
+
+def check_packaged(zf: zipfile.ZipFile) -> None:
+    """A deployment zip must carry this project's rollart/ files unchanged (what
+    infra/lambda_package.py builds), and nothing Python would run on start-up by itself."""
+    infos = zf.infolist()
+    if sum(i.file_size for i in infos) > UNZIPPED_LIMIT:
+        raise _bad_zip(f"unzipped size exceeds {UNZIPPED_LIMIT} bytes")
+    for info in infos:
+        name = info.filename
+        if name.split("/")[0] in STARTUP_HOOKS or name.endswith(".pth"):
+            raise _bad_zip(f"zip entry {name} would run on interpreter start-up")
+        if name.startswith("rollart/") and not info.is_dir():
+            ours = PROJECT_ROOT / name
+            if not ours.is_file() or ours.read_bytes() != zf.read(info):
+                raise _bad_zip(f"zip entry {name} is not this project's packaged code "
+                               "(rebuild with `rollart lambda package`)")
+
+
 def unpack_zip(data: bytes, dest: Path) -> None:
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile:
+        raise _bad_zip("Code.ZipFile is not a zip archive") from None
+    with zf:
+        check_packaged(zf)
         for info in zf.infolist():
             target = (dest / info.filename).resolve()
             if not str(target).startswith(str(dest.resolve())):  # zip-slip

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.lambda_functions import code_identity, resolve_handler
+from rollart.rewards.client import LambdaCredentials, signing_credentials
 
 REWARDS_DIR = Path(__file__).resolve().parents[1] / "rollart" / "rewards"
 DEFAULT_REQUIREMENTS = ("math-verify>=0.7",)
@@ -86,27 +87,25 @@ def build_package(out: Path, *, requirements: list[str] | None = None, no_deps: 
     return Package(out, sha, size, [name for name, _ in sorted(entries)])
 
 
-def lambda_client(endpoint_url: str | None, region: str) -> Any:
-    """Control-plane client: botocore's standard retries (control calls get throttled too)."""
+def lambda_client(endpoint_url: str | None, region: str,
+                  credentials: LambdaCredentials | None = None) -> Any:
+    """Control-plane client: botocore's standard retries (control calls get throttled too).
+    Signed like every client: the local endpoint's key pair for a loopback `endpoint_url`."""
     import boto3
-    from botocore import UNSIGNED
     from botocore.config import Config
-
-    from rollart.rewards.client import is_loopback
 
     opts: dict[str, Any] = {"retries": {"mode": "standard", "max_attempts": 5},
                             "read_timeout": 120}
-    if is_loopback(endpoint_url):
-        opts["signature_version"] = UNSIGNED
     return boto3.client("lambda", region_name=region, endpoint_url=endpoint_url,
-                        config=Config(**opts))
+                        config=Config(**opts), **signing_credentials(endpoint_url, credentials))
 
 
 def deploy(zip_path: Path, function_name: str, handler: str, *, alias: str = "live",
            reserved_concurrency: int | None = None, timeout_s: int = 30, memory_mb: int = 512,
            env: dict[str, str] | None = None, role: str | None = None,
            runtime: str = "python3.11", endpoint_url: str | None = None,
-           region: str = "us-east-1", client: Any = None, wait_delay_s: int = 1) -> dict[str, Any]:
+           region: str = "us-east-1", client: Any = None, wait_delay_s: int = 1,
+           credentials: LambdaCredentials | None = None) -> dict[str, Any]:
     """Create or update `function_name` from `zip_path`; publish; alias; reserved concurrency."""
     data = Path(zip_path).read_bytes()
     if len(data) > DIRECT_UPLOAD_LIMIT:
@@ -114,7 +113,7 @@ def deploy(zip_path: Path, function_name: str, handler: str, *, alias: str = "li
                          "directly: trim dependencies or upload through S3")
     if role is None and endpoint_url is None:
         raise ValueError("deploying to AWS needs --role (the IAM role ARN the function runs as)")
-    lam = client or lambda_client(endpoint_url, region)
+    lam = client or lambda_client(endpoint_url, region, credentials)
     sha, size = code_identity(data)
     config = {"Handler": resolve_handler(handler), "Timeout": int(timeout_s),
               "MemorySize": int(memory_mb), "Runtime": runtime,

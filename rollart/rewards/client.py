@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollart.rewards.registry import get_handler
@@ -28,6 +31,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 RETRYABLE_CODES = {"TooManyRequestsException", "ServiceException", "ResourceNotReadyException",
                    "EC2ThrottledException", "ThrottlingException", "RequestTimeoutException"}
+# The local endpoint's key pair, kept apart from AWS_* (the S3 keys): clients of a loopback
+# endpoint sign with these, and they are never sent to a real AWS endpoint.
+LOCAL_KEY_ENV = "ROLLART_LAMBDA_ACCESS_KEY_ID"
+LOCAL_SECRET_ENV = "ROLLART_LAMBDA_SECRET_ACCESS_KEY"
+
+
+@dataclass(frozen=True)
+class LambdaCredentials:
+    """The key pair of the local Lambda endpoint (SigV4). repr never shows the secret."""
+
+    access_key: str
+    secret_key: str = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> LambdaCredentials:
+        return cls("ROLLART" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30))
+
+    @classmethod
+    def from_env(cls, env: Any = None) -> LambdaCredentials | None:
+        env = os.environ if env is None else env
+        key, secret = env.get(LOCAL_KEY_ENV), env.get(LOCAL_SECRET_ENV)
+        return cls(key, secret) if key and secret else None
+
+    def env(self) -> dict[str, str]:
+        """Environment for processes that call the local endpoint."""
+        return {LOCAL_KEY_ENV: self.access_key, LOCAL_SECRET_ENV: self.secret_key}
 
 
 def reward_event(traj: Trajectory) -> dict[str, Any]:
@@ -102,14 +131,15 @@ class LambdaRewardClient:
                  endpoint_url: str | None = None, region: str = "us-east-1",
                  max_concurrency: int = 32, timeout_s: float = 60.0, max_retries: int = 5,
                  on_error: str = "retry", backoff_base_s: float = 0.05,
-                 backoff_max_s: float = 5.0, client: Any = None) -> None:
+                 backoff_max_s: float = 5.0, client: Any = None,
+                 credentials: LambdaCredentials | None = None) -> None:
         if on_error not in ("retry", "zero", "fail"):
             raise ValueError(f"on_error must be retry, zero or fail, got {on_error!r}")
         self.function_name, self.alias = function_name, alias
         self.max_retries, self.on_error = max_retries, on_error
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
         self.client = client or make_boto3_client(endpoint_url, region, timeout_s,
-                                                  max_concurrency)
+                                                  max_concurrency, credentials)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="reward")
         self._lock = threading.Lock()
         self.stats = {"invocations": 0, "throttles": 0, "retries": 0, "function_errors": 0,
@@ -231,12 +261,28 @@ def is_loopback(endpoint_url: str | None) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
+def signing_credentials(endpoint_url: str | None,
+                        credentials: LambdaCredentials | None = None) -> dict[str, str]:
+    """boto3 client kwargs for the keys to sign with. A loopback endpoint is the local one: its
+    own key pair (explicit, else ROLLART_LAMBDA_* from the environment), refused when there is
+    none; anything else uses boto3's usual chain (environment, profile, role)."""
+    if not is_loopback(endpoint_url):
+        return {}
+    creds = credentials or LambdaCredentials.from_env()
+    if creds is None:
+        raise RewardError(f"the local Lambda endpoint {endpoint_url} requires signed requests: "
+                          f"set {LOCAL_KEY_ENV} and {LOCAL_SECRET_ENV} (the stack's key pair, "
+                          "in <state dir>/lambda-credentials.json; `rollart up` exports them "
+                          "to its workers)")
+    return {"aws_access_key_id": creds.access_key,
+            "aws_secret_access_key": creds.secret_key, "aws_session_token": None}
+
+
 def make_boto3_client(endpoint_url: str | None, region: str, timeout_s: float,
-                      max_concurrency: int) -> Any:
+                      max_concurrency: int, credentials: LambdaCredentials | None = None) -> Any:
     """A Lambda client with our own retry policy (botocore's is off) and a socket pool as wide
-    as our concurrency. Requests to a loopback endpoint go unsigned (no credentials needed)."""
+    as our concurrency. Every request is SigV4-signed, the local endpoint's included."""
     import boto3
-    from botocore import UNSIGNED
     from botocore.config import Config
 
     opts: dict[str, Any] = {
@@ -245,10 +291,9 @@ def make_boto3_client(endpoint_url: str | None, region: str, timeout_s: float,
         "max_pool_connections": max_concurrency, "tcp_keepalive": True,
     }
     session = boto3.session.Session()
-    if is_loopback(endpoint_url):  # the local endpoint checks no signatures: skip credentials
-        opts["signature_version"] = UNSIGNED
     return session.client("lambda", region_name=region, endpoint_url=endpoint_url,
-                          config=Config(**opts))
+                          config=Config(**opts),
+                          **signing_credentials(endpoint_url, credentials))
 
 
 _CLIENTS: dict[str, Any] = {}

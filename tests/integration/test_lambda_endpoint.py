@@ -51,7 +51,8 @@ def lam():
 
 @pytest.fixture(scope="module")
 def boto(lam):
-    return make_boto3_client(lam.url, "us-east-1", timeout_s=10, max_concurrency=8)
+    return make_boto3_client(lam.url, "us-east-1", timeout_s=10, max_concurrency=8,
+                             credentials=lam.credentials)
 
 
 def _traj(i: int) -> Trajectory:
@@ -123,7 +124,8 @@ def test_throttle_429_then_client_backoff(lam, boto):
         "TooManyRequestsException"
     assert err["Reason"] == "ReservedFunctionConcurrentInvocationLimitExceeded"
     # The production client: 4 at once against concurrency 1 -> throttled, backs off, all land.
-    with LambdaRewardClient("one", endpoint_url=lam.url, max_concurrency=4, max_retries=20,
+    with LambdaRewardClient("one", endpoint_url=lam.url, credentials=lam.credentials,
+                            max_concurrency=4, max_retries=20,
                             backoff_base_s=0.02, backoff_max_s=0.2) as client:
         trajs = [_traj(i) for i in range(4)]
         client.score(trajs)
@@ -134,26 +136,31 @@ def test_throttle_429_then_client_backoff(lam, boto):
 
 def test_error_policies(lam):
     trajs = [_traj(0)]
-    with LambdaRewardClient("boom", endpoint_url=lam.url, on_error="zero") as client:
+    with LambdaRewardClient("boom", endpoint_url=lam.url, credentials=lam.credentials,
+                            on_error="zero") as client:
         client.score(trajs)
     assert trajs[0].reward == 0.0 and trajs[0].reward_details == {"reward_error": 1.0}
-    with LambdaRewardClient("boom", endpoint_url=lam.url, on_error="fail") as client:
+    with LambdaRewardClient("boom", endpoint_url=lam.url, credentials=lam.credentials,
+                            on_error="fail") as client:
         with pytest.raises(RewardError, match=r"'boom' failed for sample t/0/0@0: ValueError"):
             client.score([_traj(0)])
         assert client.stats["invocations"] == 1
-    with LambdaRewardClient("boom", endpoint_url=lam.url, on_error="retry", max_retries=2,
+    with LambdaRewardClient("boom", endpoint_url=lam.url, credentials=lam.credentials,
+                            on_error="retry", max_retries=2,
                             backoff_base_s=0.01) as client:
         with pytest.raises(RewardError, match="boom"):
             client.score([_traj(0)])
         assert client.stats["invocations"] == 3 and client.stats["retries"] == 2
-    with LambdaRewardClient("nope", endpoint_url=lam.url) as client:  # 404: no retries
+    with LambdaRewardClient("nope", endpoint_url=lam.url,
+                            credentials=lam.credentials) as client:  # 404: no retries
         with pytest.raises(RewardError, match="'nope' for sample"):
             client.score([_traj(0)])
         assert client.stats["invocations"] == 1
 
 
 def test_scale_out_then_to_zero(lam):
-    with LambdaRewardClient("elastic", endpoint_url=lam.url, max_concurrency=6) as client:
+    with LambdaRewardClient("elastic", endpoint_url=lam.url, credentials=lam.credentials,
+                            max_concurrency=6) as client:
         futures = [client.submit(_traj(i)) for i in range(12)]
         assert _wait_until(lambda: lam.metrics()["functions"]["elastic"]["live_workers"] >= 4,
                            timeout=5.0)
@@ -170,21 +177,21 @@ def test_package_deploy_invoke_alias(lam, tmp_path):
     assert "rollart/rewards/handlers.py" in pkg.files
     assert "rollart/rewards/client.py" not in pkg.files  # handlers must not need it
     out = deploy(pkg.path, "rewards-env", "env_outcome", alias="live", reserved_concurrency=3,
-                 timeout_s=10, endpoint_url=lam.url)
+                 timeout_s=10, endpoint_url=lam.url, credentials=lam.credentials)
     assert out["version"] == "1" and out["handler"] == "rollart.rewards.handlers.env_outcome"
-    boto = make_boto3_client(lam.url, "us-east-1", 10, 2)
+    boto = make_boto3_client(lam.url, "us-east-1", 10, 2, lam.credentials)
     event = {"task_return": 1.0, "format_penalty": -0.2, "num_turns": 2}
     resp = boto.invoke(FunctionName="rewards-env", Qualifier="live",
                        Payload=json.dumps(event).encode())
     assert resp["ExecutedVersion"] == "1"
     assert json.loads(resp["Payload"].read())["reward"] == pytest.approx(0.9)
-    ctl = lambda_client(lam.url, "us-east-1")
+    ctl = lambda_client(lam.url, "us-east-1", lam.credentials)
     fn = ctl.get_function(FunctionName="rewards-env")
     assert fn["Concurrency"]["ReservedConcurrentExecutions"] == 3
     assert fn["Configuration"]["CodeSha256"] == pkg.code_sha256
     # Redeploy with a new configuration: same code (not re-uploaded), version 2, alias moves.
     out = deploy(pkg.path, "rewards-env", "env_outcome", alias="live", timeout_s=10,
-                 env={"STAGE": "2"}, endpoint_url=lam.url)
+                 env={"STAGE": "2"}, endpoint_url=lam.url, credentials=lam.credentials)
     assert out["version"] == "2" and out["code_updated"] is False
     assert ctl.get_alias(FunctionName="rewards-env", Name="live")["FunctionVersion"] == "2"
     resp = boto.invoke(FunctionName="rewards-env:live", Payload=b"{}")

@@ -20,9 +20,11 @@ from rollart.storage.store import RunStore
 pytestmark = pytest.mark.integration
 
 
-def test_two_iterations_with_lambda_rewards(tmp_path):
+def test_two_iterations_with_lambda_rewards(tmp_path, monkeypatch):
     with LocalLambda([FunctionSpec("rollart-env-outcome", "env_outcome", concurrency=4)],
                      idle_timeout_s=30) as lam:
+        for k, v in lam.credentials.env().items():  # the run's reward client signs with these
+            monkeypatch.setenv(k, v)
         cfg = load_config("configs/default.yaml", [
             "iterations=2", "rollout.num_groups=2", "rollout.group_size=4",
             "tasks.0.max_turns=3", "eval.episodes=0", f"storage.root={tmp_path}",

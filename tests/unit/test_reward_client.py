@@ -95,7 +95,12 @@ def test_submit_returns_futures_as_episodes_finish():
         assert c.submit_event({"sample_id": "b"}).result(timeout=5)["reward"] == 0.0
 
 
-def test_reward_config_and_factory():
+def test_reward_config_and_factory(monkeypatch):
+    monkeypatch.delenv("ROLLART_LAMBDA_ACCESS_KEY_ID", raising=False)
+    with pytest.raises(RewardError, match="ROLLART_LAMBDA_ACCESS_KEY_ID"):  # fail closed
+        LambdaRewardClient("fn", endpoint_url="http://127.0.0.1:9")
+    monkeypatch.setenv("ROLLART_LAMBDA_ACCESS_KEY_ID", "ROLLARTKEY")
+    monkeypatch.setenv("ROLLART_LAMBDA_SECRET_ACCESS_KEY", "not-a-real-secret")
     cfg = load_config("configs/default.yaml", [
         "reward.backend=lambda", "reward.function_name=my-fn", "reward.alias=live",
         "reward.endpoint_url=http://127.0.0.1:9", "reward.max_concurrency=3"])
