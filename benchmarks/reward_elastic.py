@@ -53,7 +53,7 @@ def run_mode(lam: LocalLambda, name: str, concurrency: int, costs: list[list[flo
 
     threading.Thread(target=sample, daemon=True).start()
     with LambdaRewardClient(name, endpoint_url=lam.url, max_concurrency=concurrency,
-                            timeout_s=30, max_retries=10) as client:
+                            timeout_s=30, max_retries=10, credentials=lam.credentials) as client:
         for burst in costs:
             t0 = time.perf_counter()
             done_at: list[float] = [0.0] * len(burst)

@@ -18,15 +18,18 @@ from blocks import (
     register_block_types,
 )
 from rollart.cluster_classes import default_workers
+from rollart.rewards.client import LambdaCredentials
 
 LOCAL = "local"
 
 
 def register_local_blocks(stack: dict[str, Any], storage_root: str | None = None,
-                          s3: dict[str, Any] | None = None) -> dict[str, str]:
+                          s3: dict[str, Any] | None = None,
+                          lambda_credentials: LambdaCredentials | None = None) -> dict[str, str]:
     """Register the block types, then save the stack's documents. `stack` is
     `Stack.status_json()`; `s3` (endpoint_url, bucket, access_key_id, secret_access_key) uses
-    the stack's S3 server instead of `storage_root`. Returns {type slug: document name}."""
+    the stack's S3 server instead of `storage_root`; `lambda_credentials` is the key pair the
+    stack's Lambda endpoint accepts (stored as block secrets). Returns {type slug: name}."""
     register_block_types()
     saved: dict[str, str] = {}
     workers = stack.get("classes") or default_workers()
@@ -35,8 +38,11 @@ def register_local_blocks(stack: dict[str, Any], storage_root: str | None = None
     cluster.save(LOCAL, overwrite=True)
     saved[DaskCluster.get_block_type_slug()] = LOCAL
     # The stack's endpoint; without a stack, each run starts its own (embedded) endpoint.
+    keys = {} if lambda_credentials is None else {
+        "aws_access_key_id": lambda_credentials.access_key,
+        "aws_secret_access_key": lambda_credentials.secret_key}
     LambdaRewards(endpoint_url=stack.get("lambda_url"), embedded_endpoint=True,
-                  max_concurrency=4).save(LOCAL, overwrite=True)
+                  max_concurrency=4, **keys).save(LOCAL, overwrite=True)
     saved[LambdaRewards.get_block_type_slug()] = LOCAL
     if s3:
         storage = RunStorage(bucket=s3["bucket"], prefix=s3.get("prefix", ""),

@@ -29,8 +29,10 @@ class LambdaRewards(Block):
     max_retries: int = Field(5, ge=0, le=50)
     on_error: Literal["retry", "zero", "fail"] = Field(
         "retry", description="Handler error: retry then fail, score 0 and flag, or fail the run")
-    aws_access_key_id: SecretStr | None = Field(None, description="For AWS Lambda (secret)")
-    aws_secret_access_key: SecretStr | None = Field(None, description="For AWS Lambda (secret)")
+    aws_access_key_id: SecretStr | None = Field(
+        None, description="Key pair the calls are signed with: AWS Lambda's, or the local "
+                          "endpoint's (secret)")
+    aws_secret_access_key: SecretStr | None = Field(None, description="(secret)")
 
     def config_overrides(self) -> list[str]:
         values = {
@@ -44,7 +46,14 @@ class LambdaRewards(Block):
         return [f"reward.{k}={json.dumps(v)}" for k, v in values.items()]
 
     def environment(self) -> dict[str, str]:
-        if self.aws_access_key_id and self.aws_secret_access_key:
-            return {"AWS_ACCESS_KEY_ID": self.aws_access_key_id.get_secret_value(),
-                    "AWS_SECRET_ACCESS_KEY": self.aws_secret_access_key.get_secret_value()}
-        return {}
+        """The key pair for the run's process. For a loopback endpoint it is the local
+        endpoint's own pair (ROLLART_LAMBDA_*), kept apart from AWS_* (the storage keys)."""
+        from rollart.rewards.client import LambdaCredentials, is_loopback
+
+        if not (self.aws_access_key_id and self.aws_secret_access_key):
+            return {}
+        key = self.aws_access_key_id.get_secret_value()
+        secret = self.aws_secret_access_key.get_secret_value()
+        if is_loopback(self.endpoint_url):
+            return LambdaCredentials(key, secret).env()
+        return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}

@@ -2,7 +2,9 @@
 
 Credentials come from the environment (AWS_ACCESS_KEY_ID/..., AWS_PROFILE), never from flags or
 config. `--endpoint-url http://127.0.0.1:PORT` targets the local endpoint
-(`python -m infra.lambda_endpoint`) instead of AWS.
+(`python -m infra.lambda_endpoint`) instead of AWS; it requires signed requests too: the key
+pair from ROLLART_LAMBDA_ACCESS_KEY_ID/ROLLART_LAMBDA_SECRET_ACCESS_KEY, else the one `rollart up`
+keeps in the state directory.
 """
 
 from __future__ import annotations
@@ -64,12 +66,17 @@ def deploy(
     region: str = typer.Option("us-east-1", "--region", envvar="AWS_REGION"),
     no_deps: bool = typer.Option(False, "--no-deps"),
     platform: str = typer.Option(None, "--platform"),
+    state_dir: Path = typer.Option(None, "--state-dir", envvar="ROLLART_STATE_DIR",
+                                   help="Stack state directory (local endpoint's key pair)"),
 ) -> None:
     """Create or update the function, publish a version, move the alias, set concurrency."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     from infra.lambda_package import build_package
     from infra.lambda_package import deploy as do_deploy
+    from infra.stack import default_state_dir
+    from infra.state import lambda_credentials
+    from rollart.rewards.client import LambdaCredentials, RewardError, is_loopback
 
     bad = [e for e in env if "=" not in e]
     if bad:
@@ -77,6 +84,9 @@ def deploy(
     if endpoint_url is None and role is None:
         _fail("deploying to AWS needs --role (or ROLLART_LAMBDA_ROLE); for the local endpoint "
               "pass --endpoint-url")
+    creds = None
+    if is_loopback(endpoint_url) and LambdaCredentials.from_env() is None:
+        creds = lambda_credentials(state_dir or default_state_dir(), create=False)
     try:
         if zip_path is None:
             zip_path = build_package(Path("dist/rollart-rewards.zip"), no_deps=no_deps,
@@ -84,7 +94,9 @@ def deploy(
         out = do_deploy(zip_path, function_name, handler, alias=alias,
                         reserved_concurrency=concurrency, timeout_s=timeout, memory_mb=memory,
                         env=dict(e.split("=", 1) for e in env), role=role, runtime=runtime,
-                        endpoint_url=endpoint_url, region=region)
+                        endpoint_url=endpoint_url, region=region, credentials=creds)
+    except RewardError as err:  # no key pair for the local endpoint
+        _fail(str(err))
     except (ClientError, BotoCoreError, ValueError, KeyError, RuntimeError) as err:
         _fail(f"deploy of {function_name!r} failed: {err}", 1)
     typer.echo(json.dumps(out, indent=2))

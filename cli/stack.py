@@ -151,7 +151,8 @@ def deploy(
     h = stack.s3() if ours and not storage_root else None
     s3 = None if h is None else {"bucket": h.bucket, "endpoint_url": h.endpoint_url,
                                  "access_key_id": h.access_key, "secret_access_key": h.secret_key}
-    saved = register_local_blocks(info, storage_root=storage_root, s3=s3)
+    saved = register_local_blocks(info, storage_root=storage_root, s3=s3,
+                                  lambda_credentials=stack.lambda_credentials() if ours else None)
     typer.echo("blocks: " + ", ".join(f"{k}/{v}" for k, v in saved.items()))
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("prefect")), "deploy", "--all", "--no-prompt",

@@ -75,6 +75,8 @@ def train(
         progress.note(describe(point).capitalize())
     address = scheduler_address or cfg.cluster.address
     with contextlib.ExitStack() as stack:
+        # Before the cluster: its worker processes inherit the endpoint's key pair to sign with.
+        cfg = with_embedded_endpoint(cfg, stack)
         if address is None:
             cluster = stack.enter_context(HardwareClassCluster(
                 workers=cfg.cluster.workers, threads_per_worker=cfg.cluster.threads_per_worker,
@@ -86,7 +88,6 @@ def train(
         from prefect.runtime import flow_run
 
         progress.note(f"Prefect flow run: {flow_run.ui_url}")
-        cfg = with_embedded_endpoint(cfg, stack)
         if cfg.reward.endpoint_url and cfg.reward.embedded_endpoint:
             progress.note(f"Rewards:         local Lambda endpoint {cfg.reward.endpoint_url}")
         return iterations.with_options(task_runner=task_runner(cfg, address))(

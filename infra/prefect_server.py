@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.state import PRIVATE_UMASK, append_private, private_dir, write_private
+
 DEFAULT_STATE_DIR = Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
 DEFAULT_PORT = 4200
 
@@ -61,8 +63,8 @@ class PrefectServer:
 def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = None,
                  timeout: float = 90.0) -> PrefectServer:
     """Start (or reuse, via the pid file) a Prefect server on 127.0.0.1."""
-    state = Path(state_dir).absolute()
-    state.mkdir(parents=True, exist_ok=True)
+    # prefect.db holds the key that decrypts block secrets: a private dir, created 0600.
+    state = private_dir(Path(state_dir).absolute())
     pid_file, port_file = state / "prefect.pid", state / "prefect.port"
     if pid_file.exists() and port_file.exists():
         old_port = int(port_file.read_text())
@@ -81,14 +83,15 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
         "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
     }
     env.pop("PREFECT_API_URL", None)
-    log = open(state / "prefect-server.log", "ab")
+    log = append_private(state / "prefect-server.log")
     prefect_bin = Path(sys.executable).with_name("prefect")
     proc = subprocess.Popen(
         [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        umask=PRIVATE_UMASK,
     )
-    pid_file.write_text(str(proc.pid))
-    port_file.write_text(str(port))
+    write_private(pid_file, str(proc.pid))
+    write_private(port_file, str(port))
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infra.state import PRIVATE_UMASK, append_private, private_dir, write_private
+
 DEFAULT_STATE_DIR = Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
 COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 GRPC_OFFSET = 10000
@@ -122,9 +124,10 @@ class SeaweedHandle:
         for comp in COMPONENTS:
             args += [f"-{comp}.port={self.ports[comp]}",
                      f"-{comp}.port.grpc={self.ports[comp] + GRPC_OFFSET}"]
-        with open(self.log_path, "ab") as log:
+        with append_private(self.log_path) as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    umask=PRIVATE_UMASK)
         self.pid = proc.pid
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -214,8 +217,8 @@ def start_seaweed(state_dir: str | Path, bucket: str = "rollart",
                   access_key: str | None = None, secret_key: str | None = None,
                   region: str = "us-east-1", timeout: float = 30.0) -> SeaweedHandle:
     """Start `weed mini` with data under `state_dir/data`; returns once the bucket answers."""
-    state = Path(state_dir).absolute()
-    (state / "data").mkdir(parents=True, exist_ok=True)
+    state = private_dir(Path(state_dir).absolute())
+    private_dir(state / "data")
     ports = dict(zip(COMPONENTS, free_port_pairs(len(COMPONENTS)), strict=True))
     handle = SeaweedHandle(
         endpoint_url=f"http://127.0.0.1:{ports['s3']}",
@@ -255,8 +258,8 @@ def ensure_running(state_dir: str | Path = DEFAULT_STATE_DIR,
     else:
         h = start_seaweed(root, bucket=creds.get("bucket", bucket),
                           access_key=creds.get("access_key"), secret_key=creds.get("secret_key"))
-    old.write_text(json.dumps(asdict(h), indent=2))
-    old.chmod(0o600)  # holds the local credentials
+    private_dir(old.parent)
+    write_private(old, json.dumps(asdict(h), indent=2))  # 0600 from creation: holds the keys
     return h
 
 

@@ -11,6 +11,11 @@ Everything listens on 127.0.0.1. Each service has `<name>.pid` and `<name>.log` 
 directory (`.rollart/` or $ROLLART_STATE_DIR); `stack.json` records ports and settings so a
 second `up` reuses what is running (idempotent) and `down` stops exactly what `up` started, by
 PID (each process leads its own session, so its children go with it).
+
+The state directory is private (0700, files 0600, children under umask 077; infra/state.py)
+before any secret is written to it. The Lambda endpoint accepts only requests signed with the
+stack's Lambda key pair (`lambda-credentials.json`), which the Dask workers and the `local`
+rewards block receive; nothing else does.
 """
 
 from __future__ import annotations
@@ -36,11 +41,20 @@ from infra.procs import (
     stop_pid,
     stop_pids,
 )
+from infra.state import (
+    PRIVATE_UMASK,
+    append_private,
+    lambda_credentials,
+    private_dir,
+    write_private,
+)
 from rollart.cluster_classes import default_workers
+from rollart.rewards.client import LambdaCredentials
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POOL = "rollart-local"
 LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> reward handler
+LAMBDA_CREDENTIALS_NOTE = "<state dir>/lambda-credentials.json"
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
 
 
@@ -82,10 +96,14 @@ class Stack:
             return {}
 
     def _save(self) -> None:
-        self.state.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state)
         data = {"classes": self.classes, "pool": self.pool, "ports": self.ports,
                 "services": self.services}
-        self.file.write_text(json.dumps(data, indent=2, sort_keys=True))
+        write_private(self.file, json.dumps(data, indent=2, sort_keys=True))
+
+    def lambda_credentials(self, create: bool = False) -> LambdaCredentials | None:
+        """The key pair the stack's Lambda endpoint accepts (None before the first `up`)."""
+        return lambda_credentials(self.state, create=create)
 
     def _pick_port(self, key: str) -> int:
         old = self.ports.get(key)
@@ -143,11 +161,12 @@ class Stack:
         return alive(self._pid(name), token)
 
     def _spawn(self, name: str, cmd: list[str], token: str, env: dict[str, str]) -> int:
-        log = open(self.state / f"{name}.log", "ab")
+        log = append_private(self.state / f"{name}.log")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=PROJECT_ROOT, start_new_session=True)
+                                env=env, cwd=PROJECT_ROOT, start_new_session=True,
+                                umask=PRIVATE_UMASK)
         log.close()
-        (self.state / f"{name}.pid").write_text(str(proc.pid))
+        write_private(self.state / f"{name}.pid", str(proc.pid))
         self.services[name] = {"token": token, "cmd": cmd}
         return proc.pid
 
@@ -180,16 +199,17 @@ class Stack:
         (see infra/dask_cluster.py); a YAML `null` unsets it, which an env var cannot do."""
         from infra.dask_cluster import WORKER_ENVIRON
 
-        d = self.state / "dask-config"
-        d.mkdir(parents=True, exist_ok=True)
+        d = private_dir(self.state / "dask-config")
         environ = {k: (None if v is None else str(v)) for k, v in WORKER_ENVIRON.items()}
         cfg = {"distributed": {"nanny": {"pre-spawn-environ": environ}}}
-        (d / "rollart.yaml").write_text(json.dumps(cfg, indent=2))  # JSON is YAML
+        write_private(d / "rollart.yaml", json.dumps(cfg, indent=2))  # JSON is YAML
         return d
 
     # ---- up --------------------------------------------------------------------------------
     def up(self, timeout: float = 120.0) -> list[ServiceStatus]:
-        self.state.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state)  # first: every secret below is written into it
+        creds = self.lambda_credentials(create=True)
+        assert creds is not None
         for key in ("scheduler", "dashboard", "lambda"):
             if not self._service_up(key):
                 self.ports[key] = self._pick_port(key)
@@ -202,8 +222,9 @@ class Stack:
 
         # Launch what does not need the Prefect server, then the server, then the worker.
         s3_env = self._ensure_s3()
-        self._ensure_dask({**env, **s3_env})
-        self._ensure_lambda(env)
+        # Workers score rewards (they sign Lambda calls); the endpoint verifies with the pair.
+        self._ensure_dask({**env, **s3_env, **creds.env()})
+        self._ensure_lambda({**env, **creds.env()})
         self._save()
         server = start_prefect(self.state, self.ports["prefect"], timeout)
         self.ports["prefect"] = int(server.api_url.rsplit(":", 1)[1].split("/")[0])
@@ -263,7 +284,7 @@ class Stack:
         except ImportError:  # no local S3 in this checkout: runs store on local disk
             return {}
         h = seaweed.ensure_running(self.state)
-        (self.state / "s3.pid").write_text(str(h.pid))
+        write_private(self.state / "s3.pid", str(h.pid))
         self.services["s3"] = {"token": "weed", "url": h.endpoint_url, "bucket": h.bucket}
         return {"AWS_ACCESS_KEY_ID": h.access_key, "AWS_SECRET_ACCESS_KEY": h.secret_key,
                 "AWS_DEFAULT_REGION": h.region}
@@ -343,9 +364,10 @@ class Stack:
             out.append(ServiceStatus(svc, self.running(svc) and bool(info), self._pid(svc),
                                      info.get("address"),
                                      {"resources": info.get("resources", {})}))
-        lam_up = self.running("lambda") and http_ok(f"{self.lambda_url}/local/metrics")
+        lam_up = self.running("lambda") and http_ok(f"{self.lambda_url}/local/health")
         out.append(ServiceStatus("lambda", lam_up, self._pid("lambda"), self.lambda_url,
-                                 {"functions": sorted(LAMBDA_FUNCTIONS)}))
+                                 {"functions": sorted(LAMBDA_FUNCTIONS),
+                                  "auth": f"SigV4, key pair in {LAMBDA_CREDENTIALS_NOTE}"}))
         if "s3" in self.services:
             info = self.services["s3"]
             out.append(ServiceStatus("s3", self.running("s3"), self._pid("s3"), info.get("url"),
