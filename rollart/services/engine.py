@@ -96,7 +96,9 @@ class EngineService:
         files, _ = self.store.load_checkpoint(step, only=["engine_rng.pt"])
         if "engine_rng.pt" not in files:
             return False
-        states = torch.load(io.BytesIO(files["engine_rng.pt"]))
+        # A list of bytes: the restricted unpickler loads it and refuses anything executable
+        # (explicit, so it cannot silently change with torch's default).
+        states = torch.load(io.BytesIO(files["engine_rng.pt"]), weights_only=True)
         if self.replica >= len(states):
             log.warning("checkpoint %d has no RNG state for engine replica %d", step, self.replica)
             return False

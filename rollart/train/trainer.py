@@ -8,13 +8,10 @@ model through task arguments.
 from __future__ import annotations
 
 import copy
-import io
 import json
-import random
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import safetensors.torch
 import torch
 from torch import Tensor
@@ -29,6 +26,7 @@ from rollart.algo import (
 )
 from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.config import AlgoConfig, TrainConfig
+from rollart.train.state_io import load_optimizer, load_rng, optimizer_files, rng_files
 from rollart.types import Trajectory
 
 
@@ -251,17 +249,13 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def checkpoint_files(self) -> dict[str, bytes]:
+        """Weights and state in formats that load without running code (no pickle)."""
         state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
-        opt = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), opt)
-        rng = io.BytesIO()
-        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                    "python": random.getstate()}, rng)
         meta = {"version": self.version, "step": self.step}
         files = {
             "model.safetensors": safetensors.torch.save(_untie(state)),
-            "optimizer.pt": opt.getvalue(),
-            "rng.pt": rng.getvalue(),
+            **optimizer_files(self.optimizer),
+            **rng_files(),
             "trainer_state.json": json.dumps(meta).encode(),
         }
         if self.ref_model is not None:
@@ -270,12 +264,11 @@ class Trainer:
         return files
 
     def load_checkpoint_files(self, files: dict[str, bytes]) -> None:
+        """Inverse of checkpoint_files. Raises UnsafeCheckpointError for a file that could only
+        be loaded by unpickling it (older checkpoints' rng.pt) or that is malformed."""
         self.model.load_state_dict(safetensors.torch.load(files["model.safetensors"]), strict=False)
-        self.optimizer.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"])))
-        rng = torch.load(io.BytesIO(files["rng.pt"]), weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
+        load_optimizer(self.optimizer, files)
+        load_rng(files)
         meta = json.loads(files["trainer_state.json"])
         self.version, self.step = int(meta["version"]), int(meta["step"])
         if self.ref_model is not None and "reference.safetensors" in files:

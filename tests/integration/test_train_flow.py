@@ -30,7 +30,7 @@ def test_flow_two_iterations_on_hardware_class_workers(prefect_api, tmp_path):
     # A complete checkpoint with its manifest.
     assert store.latest_checkpoint() == 2
     manifest = json.loads(store.read_text("checkpoints/00000002/manifest.json"))
-    assert {"model.safetensors", "optimizer.pt", "rng.pt"} <= set(manifest["files"])
+    assert {"model.safetensors", "optimizer.safetensors", "rng.json"} <= set(manifest["files"])
     assert Path(out["checkpoint"]).name == "00000002"
 
     # Parameters changed: checkpoint weights differ from the seeded initial weights.

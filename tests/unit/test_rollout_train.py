@@ -148,6 +148,11 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(policy):
         assert torch.equal(a, b), k
     assert fresh.version == 1
     assert fresh.optimizer.state_dict()["state"].keys() == tr.optimizer.state_dict()["state"].keys()
+    got = fresh.optimizer.state_dict()["state"]
+    for idx, a in tr.optimizer.state_dict()["state"].items():
+        assert a.keys() == got[idx].keys() and all(torch.equal(a[k], got[idx][k]) for k in a)
+    assert fresh.optimizer.state_dict()["param_groups"] == tr.optimizer.state_dict()["param_groups"]
+    assert fresh.checkpoint_files() == files  # the same bytes again: nothing lost or re-typed
 
 
 def test_on_done_fires_as_each_episode_ends(policy):

@@ -60,8 +60,9 @@ def test_resume_is_exact_and_the_ledger_has_no_duplicates_or_gaps(tmp_path):
     a = RunStore(str(tmp_path), "straight")
     files_a, man_a = a.load_checkpoint(3)
     files_b, man_b = b.load_checkpoint(3)
-    assert set(files_a) >= {"model.safetensors", "optimizer.pt", "rng.pt", "engine_rng.pt",
-                            "ledger.json", "config.yaml", "trainer_state.json"}
+    assert set(files_a) >= {"model.safetensors", "optimizer.safetensors", "optimizer.json",
+                            "rng.safetensors", "rng.json", "engine_rng.pt", "ledger.json",
+                            "config.yaml", "trainer_state.json"}
     assert {k: files_a[k] == files_b[k] for k in files_a} == {k: True for k in files_a}
     assert man_b["train_step"] == 3 and man_b["next_iteration"] == 3
 
