@@ -11,7 +11,7 @@ import typer
 from cli.lambda_cmd import app as lambda_app
 from cli.models import app as models_app
 from cli.stack import app as stack_app
-from rollart.config import ConfigError, load_config
+from rollart.config import ConfigError, check_run_id, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Agentic RL on disaggregated hardware (Prefect + Dask).")
@@ -21,7 +21,8 @@ app.add_typer(stack_app)  # rollart up / down / status / deploy / submit
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    typer.secho(f"error: {msg}", fg="red", err=True)
+    one_line = "; ".join(line.strip() for line in str(msg).splitlines() if line.strip())
+    typer.secho(f"error: {one_line}", fg="red", err=True)
     raise typer.Exit(code)
 
 
@@ -63,6 +64,9 @@ def train(
     """Run a training flow on the embedded default (or an existing Dask scheduler)."""
     try:
         cfg = load_config(config, set_)  # before any server or cluster starts
+        for what, value in (("--run-id", run_id), ("--resume", resume)):
+            if value is not None:
+                check_run_id(value, what)
     except ConfigError as err:
         _fail(str(err))
     ui = _ensure_prefect_api()

@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from infra.stack import PROJECT_ROOT, Stack
+from rollart.config import ConfigError, check_overrides, check_run_id
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Local stack and Prefect deployments of rollart.")
@@ -28,7 +29,8 @@ StateDir = typer.Option(None, "--state-dir", envvar="ROLLART_STATE_DIR",
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    typer.secho(f"error: {msg}", fg="red", err=True)
+    one_line = "; ".join(line.strip() for line in str(msg).splitlines() if line.strip())
+    typer.secho(f"error: {one_line}", fg="red", err=True)
     raise typer.Exit(code)
 
 
@@ -142,6 +144,7 @@ def deploy(
 ) -> None:
     """Register the block types and the stack's block documents, then every deployment of
     prefect.yaml (`prefect deploy --all`)."""
+    _check_overrides(list(set_))
     api = _api_url(state_dir)
     from blocks.registration import register_local_blocks
 
@@ -195,7 +198,26 @@ def _parse_params(params: list[str], sets: list[str]) -> dict[str, Any]:
             out[key] = raw
     if sets:
         out["overrides"] = list(out.get("overrides") or []) + list(sets)
+    _check_overrides(out.get("overrides") or [])
+    for key in ("run_id", "resume"):
+        if out.get(key) is not None:
+            try:
+                check_run_id(out[key], key)
+            except ConfigError as err:
+                _fail(str(err))
     return out
+
+
+def _check_overrides(overrides: list[str]) -> None:
+    """`--set` values go to a deployment run as they are: check what can be checked without
+    its config (form, YAML, finite numbers) here, one line and exit 2; the run checks the rest
+    before anything starts."""
+    if not isinstance(overrides, list):
+        _fail("overrides must be a list of key.path=value strings")
+    try:
+        check_overrides(overrides)
+    except ConfigError as err:
+        _fail(str(err))
 
 
 def _resolve_deployment(client: Any, name: str) -> str:
@@ -228,8 +250,8 @@ def submit(
     state_dir: Path = StateDir,
 ) -> None:
     """Start a deployment run through the Prefect API (from CI, a terminal, a script)."""
+    params = _parse_params(param, set_)  # bad input fails before any server is asked
     api = _api_url(state_dir)
-    params = _parse_params(param, set_)
     from prefect import get_client
     from prefect.deployments import run_deployment
 

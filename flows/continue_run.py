@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 
 from blocks import resolve_blocks
 from flows.train import train
-from rollart.config import load_config
+from rollart.config import check_run_id, load_config
 from rollart.storage.store import RunStore
 
 
@@ -35,6 +35,7 @@ def continue_training(
     start it, the first time)."""
     if add_iterations < 1:
         raise ValueError("add_iterations must be >= 1")
+    check_run_id(run_id)  # before the store is opened: the run id is a path in it
     logger = get_run_logger()
     found = resolve_blocks(storage=storage_block)
     found.apply_environment()

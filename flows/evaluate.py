@@ -22,7 +22,7 @@ from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
 from flows.artifacts import artifact_key
 from infra.dask_cluster import HardwareClassCluster
-from rollart.config import load_config
+from rollart.config import check_run_id, load_config
 from rollart.run import RunSpec
 from rollart.services import EngineService
 from rollart.storage.resume import stored_run_config
@@ -45,6 +45,7 @@ def evaluate(
     `episodes` held-out seeds. The store is `storage_root`, the storage block's, or the
     config default; the cluster is `scheduler_address`, the cluster block's, or embedded."""
     logger = get_run_logger()
+    check_run_id(run_id)  # before the store is opened: the run id is a path in it
     blocks = resolve_blocks(storage=storage_block, cluster=cluster_block)
     blocks.apply_environment()
     install_credentials_resolver()

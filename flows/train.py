@@ -26,7 +26,7 @@ from flows.artifacts import RunArtifacts
 from infra.dask_cluster import HardwareClassCluster
 from infra.lambda_endpoint import with_embedded_endpoint
 from rollart import progress
-from rollart.config import load_config
+from rollart.config import ConfigError, check_run_id, load_config
 from rollart.dask_services import DaskServices
 from rollart.driver import IterationDriver, IterationResult, Placement
 from rollart.metrics import summary_row
@@ -64,6 +64,10 @@ def train(
     if resume and run_id and run_id != resume:
         return Failed(message=f"run_id {run_id!r} and resume {resume!r} differ")
     run_id = resume or run_id or new_run_id(cfg.name)
+    try:  # before the store is opened: the run id is a path in it
+        check_run_id(run_id, "resume" if resume else "run_id")
+    except ConfigError as err:
+        return Failed(message=str(err))
     logger = get_run_logger()
     try:  # store reachable with these credentials; resume point; before any cluster starts
         cfg, point = start_run(cfg, blocks.overrides + list(overrides or []), run_id,

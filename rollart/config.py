@@ -13,7 +13,14 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rollart.cluster_classes import default_stages, default_workers
-from rollart.config_base import ConfigError, _Strict
+from rollart.config_base import (  # noqa: F401 (check_run_id, apply_overrides re-exported)
+    RUN_ID_RE,
+    ConfigError,
+    _Strict,
+    apply_overrides,
+    check_overrides,
+    check_run_id,
+)
 from rollart.config_sections import (
     EmulationConfig,
     FaultConfig,
@@ -270,7 +277,7 @@ class LoggingConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    name: str = "frozenlake-tiny"
+    name: str = "frozenlake-tiny"  # default run ids are `{name}-{time}`: same alphabet
     seed: int = 0
     iterations: int = Field(40, gt=0)
     model: ModelConfig = ModelConfig()
@@ -288,6 +295,14 @@ class RunConfig(_Strict):
     # (rollart.routing.catalog), so `--set hardware.H20.relative_cost=0.5` changes one figure.
     hardware: dict[str, HardwareClass] = Field(default_factory=default_catalog)
     routing: RoutingConfig = RoutingConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not RUN_ID_RE.fullmatch(name) or len(name) > 100:
+            raise ValueError("must be 1-100 of A-Z a-z 0-9 . _ - (not starting with a dot): "
+                             "run ids are made from it")
+        return name
 
     @model_validator(mode="after")
     def _tasks(self) -> RunConfig:
@@ -334,41 +349,14 @@ class RunConfig(_Strict):
         return self
 
 
-def _parse_value(text: str) -> Any:
-    """`--set a.b=c` values are YAML scalars/lists: 3 -> int, 1e-3 -> float, [a,b] -> list."""
-    return yaml.safe_load(text) if text != "" else ""
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.path=value")
-        key, _, raw = item.partition("=")
-        parts = key.strip().split(".")
-        node: Any = data
-        for i, part in enumerate(parts[:-1]):
-            if isinstance(node, list):
-                node = node[int(part)]
-                continue
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
-            if not isinstance(node, dict | list):
-                raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section")
-        last = parts[-1]
-        if isinstance(node, list):
-            node[int(last)] = _parse_value(raw)
-        else:
-            node[last] = _parse_value(raw)
-    return data
-
-
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "<root>"
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{loc}' (check the spelling; see configs/default.yaml)"
     msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "finite_number":  # nan/inf
+        msg = "must be a finite number, not nan or inf (give a plain number, e.g. 0.001)"
     extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     got = first.get("input")
     got_s = f", got {got!r}" if got is not None and not isinstance(got, dict) else ""

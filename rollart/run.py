@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollart.config import RunConfig
+from rollart.config import RunConfig, check_run_id
 from rollart.storage.store import RunStore
 
 
@@ -16,6 +16,9 @@ from rollart.storage.store import RunStore
 class RunSpec:
     cfg: RunConfig
     run_id: str
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)  # a path in the store: never "../x" or "a/b"
 
     def store(self) -> RunStore:
         """The run's store as configured (endpoint, region, credentials, retry budget)."""

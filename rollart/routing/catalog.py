@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class HardwareClass(BaseModel):
     """One hardware class. Units are the ones spec sheets use: TFLOP/s, GB/s, GB."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # finite figures
 
     name: str
     kind: Literal["gpu", "cpu"] = "gpu"

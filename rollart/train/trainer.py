@@ -157,6 +157,7 @@ class Trainer:
         n_seq = float((batch.loss_mask.sum(1) > 0).sum())
         n_tok = float(batch.loss_mask.sum())
         prox_parts: list[Tensor] = []  # [b_i, T-1] per micro-batch, from the first epoch
+        skipped = 0  # epochs whose loss or gradient was nan/inf: never applied
         for epoch in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for i, mb in enumerate(micro):
@@ -184,6 +185,9 @@ class Trainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v * w / self.cfg.epochs
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            if not torch.isfinite(grad_norm):  # a nan/inf loss gives a nan norm too
+                skipped += 1
+                continue
             self.optimizer.step()
         prox_all = torch.cat(prox_parts)  # [B, T-1]
         metrics: dict[str, float] = {
@@ -201,6 +205,7 @@ class Trainer:
         if start is not None:
             metrics.update(self._kl_guard(batch, prox_all, start))
         metrics["train/grad_norm"] = float(grad_norm)
+        metrics["train/nonfinite_skipped"] = float(skipped)
         metrics["train/sequences"] = float(len(batch))
         metrics["train/tokens"] = n_tok
         metrics["train/update_s"] = dt = time.perf_counter() - t0
