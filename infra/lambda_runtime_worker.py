@@ -8,6 +8,11 @@ its queue of invocations; it scales from zero: an invocation that finds no idle 
 worker starts one, up to the function's concurrency limit. Scale-down is the endpoint's reaper.
 
 All state changes happen under one lock shared with the endpoint (`Pool.cond` wraps it).
+
+The Runtime API has no authentication of its own (awslambdaric sends none), and whoever polls a
+worker's port gets that worker's invocations and may answer them (any reward it likes). So a
+connection is served only when the kernel says its client socket belongs to this process's own
+user (`/proc/net/tcp`); another local user's connection is closed unanswered.
 """
 
 from __future__ import annotations
@@ -31,6 +36,23 @@ RUNTIME = "/2018-06-01/runtime"
 PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "OMP_NUM_THREADS",
             "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "HF_HOME",
             "TRANSFORMERS_OFFLINE", "PYTHONPATH")
+
+
+def loopback_peer_uid(peer: tuple[str, int], server_port: int) -> int | None:
+    """The uid owning the client end of a 127.0.0.1 TCP connection to `server_port`, from
+    /proc/net/tcp; None where the kernel does not say (no /proc: not Linux)."""
+    ip = "".join(f"{int(b):02X}" for b in reversed(peer[0].split(".")))
+    want_local, want_remote = f"{ip}:{peer[1]:04X}", f"0100007F:{server_port:04X}"
+    try:
+        with open("/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[1] == want_local and fields[2] == want_remote:
+                    return int(fields[7])
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    return None
 
 
 def error_body(error_type: str, message: str) -> bytes:
@@ -90,6 +112,14 @@ class _RuntimeHandler(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:  # quiet: the endpoint reports metrics instead
         pass
+
+    def handle(self) -> None:
+        """Once per connection (the runtime client keeps its one open): our own user only."""
+        uid = loopback_peer_uid(self.client_address, self.server.server_address[1])
+        if uid is not None and uid != os.getuid():
+            self.close_connection = True
+            return
+        super().handle()
 
     def _reply(self, status: int, body: bytes = b"{}", headers: dict[str, str] | None = None,
                close: bool = False) -> None:

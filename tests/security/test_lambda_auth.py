@@ -12,7 +12,10 @@ import hashlib
 import http.client
 import io
 import json
+import os
+import pwd
 import socket
+import subprocess
 import zipfile
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -288,3 +291,28 @@ def test_health_is_open_but_metrics_are_not(lam):
     status, _, out = _send(lam, "GET", "/local/metrics", b"",
                            _signed(lam, "GET", "/local/metrics"))
     assert status == 200 and FN in json.loads(out)["functions"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another local user needs root")
+def test_runtime_api_refuses_other_local_users(lam):
+    """A worker's Runtime API port hands out invocations and takes their results: another
+    local user who finds it could answer with any reward. Their connection gets no answer."""
+    boto = make_boto3_client(lam.url, "us-east-1", 10, 1, lam.credentials)
+    boto.invoke(FunctionName=FN, Payload=EVENT)  # a warm worker, polling its Runtime API
+    port = next(w.port for p in lam._pools.values() for w in p.workers)
+    nobody = pwd.getpwnam("nobody")
+    base = f"http://127.0.0.1:{port}/2018-06-01/runtime/invocation"
+    for args in (["-X", "POST", "-d", '{"reward": 1.0}', f"{base}/made-up-id/response"],
+                 [f"{base}/next"]):
+        proc = subprocess.run(["curl", "-sS", "-m", "5", "-o", "/dev/null",
+                               "-w", "%{http_code}", *args], user=nobody.pw_uid,
+                              group=nobody.pw_gid, extra_groups=[], capture_output=True,
+                              text=True, timeout=30)
+        assert proc.returncode == 52 and proc.stdout == "000", (args, proc)  # empty reply
+    # The same request from this (the endpoint's) user is answered: the refusal is the uid's.
+    proc = subprocess.run(["curl", "-sS", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}",
+                           "-X", "POST", "-d", "{}", f"{base}/made-up-id/response"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.stdout == "400"
+    resp = boto.invoke(FunctionName=FN, Payload=EVENT)  # the worker still serves
+    assert json.loads(resp["Payload"].read())["reward"] == 0.0
