@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -288,7 +289,7 @@ class _ApiHandler(BaseHTTPRequestHandler):
         if "Transfer-Encoding" in self.headers:  # boto3 never chunks Lambda requests
             raise ApiError(411, "LengthRequiredException", "Content-Length is required")
         raw = (self.headers.get("Content-Length") or "0").strip()
-        if not raw.isdigit():  # also "-1": int() would accept it and read() would hang
+        if not (raw.isascii() and raw.isdigit()):  # "-1": int() takes it, read() would hang
             raise ApiError(400, "InvalidRequestContentException",
                            "Content-Length must be a non-negative integer")
         size = int(raw)
@@ -298,25 +299,30 @@ class _ApiHandler(BaseHTTPRequestHandler):
                            f"Request must be smaller than {limit} bytes for this operation")
         return self.rfile.read(size)
 
-    def _check(self, method: str, path: str, body: bytes) -> None:
-        lam = self.server.lam
+    def _check_headers(self, open_path: bool) -> None:
+        """What needs no body: checked before a byte of it is read."""
         check_host(self.headers.get("Host"))
         if self.headers.get("Origin"):  # a web page: boto3 never sends Origin
             raise ApiError(403, "AccessDeniedException", "cross-origin requests are refused")
-        if not (method == "GET" and path == "/local/health"):
-            verify_sigv4(method, self.path, self.headers, body, lam.credentials, lam.region)
+        if not open_path and not self.headers.get("Authorization"):
+            raise ApiError(403, "MissingAuthenticationTokenException",
+                           "Missing Authentication Token")
 
     def _handle(self, method: str) -> None:
         url = urlsplit(self.path)
+        open_path = method == "GET" and url.path == "/local/health"  # liveness, names nothing
+        lam = self.server.lam
         try:
             try:
+                self._check_headers(open_path)
                 body = self._read_body(url.path)
             except ApiError:
                 self.close_connection = True  # the unread body would be parsed as a request
                 raise
-            self._check(method, url.path, body)
-            status, headers, out = self.server.lam.route(method, url.path, parse_qs(url.query),
-                                                         body, self.headers)
+            if not open_path:
+                verify_sigv4(method, self.path, self.headers, body, lam.credentials, lam.region)
+            status, headers, out = lam.route(method, url.path, parse_qs(url.query), body,
+                                             self.headers)
         except ApiError as err:
             status, headers = err.status, {"x-amzn-ErrorType": err.code}
             doc = {"Type": "User", "message": err.message, "Message": err.message}
@@ -325,8 +331,6 @@ class _ApiHandler(BaseHTTPRequestHandler):
             out = json.dumps(doc).encode()
         except Exception:  # noqa: BLE001 - a bug here must not kill the server thread
             # The client learns only that it failed; the traceback goes to the endpoint's log.
-            import traceback
-
             traceback.print_exc(file=sys.stderr)
             status, headers = 500, {"x-amzn-ErrorType": "ServiceException"}
             msg = "An internal error occurred in the local Lambda endpoint."
@@ -355,7 +359,9 @@ class _ApiHandler(BaseHTTPRequestHandler):
 
 def with_embedded_endpoint(cfg: Any, stack: contextlib.ExitStack) -> Any:
     """Start the local endpoint for a run whose rewards go to Lambda with no endpoint given
-    (`reward.embedded_endpoint`); returns the config pointed at it. Stopped with `stack`."""
+    (`reward.embedded_endpoint`); returns the config pointed at it. Stopped with `stack`. Its
+    key pair (ROLLART_LAMBDA_* from the environment, else a fresh one) is exported to this
+    process's environment: start it before processes that must sign (an embedded cluster)."""
     r = cfg.reward
     if r.backend != "lambda" or r.endpoint_url is not None or not r.embedded_endpoint:
         return cfg

@@ -95,6 +95,8 @@ def check_packaged(zf: zipfile.ZipFile) -> None:
         if name.split("/")[0] in STARTUP_HOOKS or name.endswith(".pth"):
             raise _bad_zip(f"zip entry {name} would run on interpreter start-up")
         if name.startswith("rollart/") and not info.is_dir():
+            if ".." in name.split("/"):
+                raise _bad_zip(f"zip entry {name} leaves the package")
             ours = PROJECT_ROOT / name
             if not ours.is_file() or ours.read_bytes() != zf.read(info):
                 raise _bad_zip(f"zip entry {name} is not this project's packaged code "
@@ -107,12 +109,12 @@ def unpack_zip(data: bytes, dest: Path) -> None:
     except zipfile.BadZipFile:
         raise _bad_zip("Code.ZipFile is not a zip archive") from None
     with zf:
-        check_packaged(zf)
-        for info in zf.infolist():
-            target = (dest / info.filename).resolve()
-            if not str(target).startswith(str(dest.resolve())):  # zip-slip
+        root = dest.resolve()
+        for info in zf.infolist():  # zip-slip first: check_packaged opens files by entry name
+            if not (dest / info.filename).resolve().is_relative_to(root):
                 raise ApiError(400, "InvalidParameterValueException",
                                f"zip entry escapes the code dir: {info.filename}")
+        check_packaged(zf)
         zf.extractall(dest)
 
 

@@ -253,16 +253,22 @@ def test_create_function_accepts_only_the_projects_package(lam, tmp_path):
 def test_body_limits_and_bad_lengths(lam):
     before = _invocations(lam)
     host = f"Host: 127.0.0.1:{lam.port}\r\n".encode()
-    # Oversize: refused from the header alone (no 7 MB is ever read).
+    # Unsigned and oversize: refused from the headers alone (no 7 MB is ever read).
     out = _raw(lam, b"POST " + INVOKE.encode() + b" HTTP/1.1\r\n" + host
                + b"Content-Length: 7340032\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 403") and b"MissingAuthenticationToken" in out
+    # With an Authorization header (the length is checked before the signature).
+    auth = "".join(f"{k}: {v}\r\n" for k, v in _signed(lam, "POST", INVOKE).items()
+                   if k != "Host").encode()
+    out = _raw(lam, b"POST " + INVOKE.encode() + b" HTTP/1.1\r\n" + host + auth
+               + b"Content-Length: 7340032\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 413") and b"RequestTooLargeException" in out
-    out = _raw(lam, b"POST /2015-03-31/functions HTTP/1.1\r\n" + host
+    out = _raw(lam, b"POST /2015-03-31/functions HTTP/1.1\r\n" + host + auth
                + b"Content-Length: 104857600\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 413")
     # Negative or malformed lengths: an answer at once, never a hung handler thread.
-    for bad in (b"-1", b"-99999", b"12abc", b"1e3"):
-        out = _raw(lam, b"POST " + INVOKE.encode() + b" HTTP/1.1\r\n" + host
+    for bad in (b"-1", b"-99999", b"12abc", b"1e3", "\u00b2".encode()):
+        out = _raw(lam, b"POST " + INVOKE.encode() + b" HTTP/1.1\r\n" + host + auth
                    + b"Content-Length: " + bad + b"\r\n\r\n", timeout=5)
         assert out.startswith(b"HTTP/1.1 400") and b"InvalidRequestContentException" in out, bad
     assert _invocations(lam) == before
