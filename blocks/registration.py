@@ -8,7 +8,7 @@ re-deploying after `rollart up` picked new ports keeps the blocks current.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blocks import (
     DaskCluster,
@@ -18,7 +18,9 @@ from blocks import (
     register_block_types,
 )
 from rollart.cluster_classes import default_workers
-from rollart.rewards.client import LambdaCredentials
+
+if TYPE_CHECKING:
+    from rollart.rewards.client import LambdaCredentials
 
 LOCAL = "local"
 

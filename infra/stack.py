@@ -28,7 +28,7 @@ import time
 import urllib.error
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infra.prefect_server import free_port, healthy
 from infra.procs import (
@@ -49,7 +49,9 @@ from infra.state import (
     write_private,
 )
 from rollart.cluster_classes import default_workers
-from rollart.rewards.client import LambdaCredentials
+
+if TYPE_CHECKING:
+    from rollart.rewards.client import LambdaCredentials
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POOL = "rollart-local"
