@@ -57,6 +57,8 @@ def _print_status(stack: Stack) -> bool:
             extra = f"  {s.url}  dashboard {s.extra.get('dashboard')}"
         elif s.name == "prefect-worker":
             extra = f"  pool {s.extra.get('pool')} ({s.extra.get('type')})"
+        elif s.name == "lambda":
+            extra = f"  {s.url or ''}  auth {s.extra.get('auth')}"
         elif s.name.startswith("dask-"):
             res = ",".join(f"{k}={v:g}" for k, v in s.extra.get("resources", {}).items())
             extra = f"  {s.url or ''}  {res}"
