@@ -16,6 +16,7 @@ import os
 import pwd
 import socket
 import subprocess
+import sys
 import zipfile
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -322,3 +323,28 @@ def test_runtime_api_refuses_other_local_users(lam):
     assert proc.stdout == "400"
     resp = boto.invoke(FunctionName=FN, Payload=EVENT)  # the worker still serves
     assert json.loads(resp["Payload"].read())["reward"] == 0.0
+
+
+def test_deploy_cli_signs_with_the_stacks_key_pair(tmp_path):
+    """`rollart lambda deploy --endpoint-url` to the stack's endpoint takes the key pair from the
+    state directory; with no pair anywhere it fails in one line (exit 2), it never goes unsigned."""
+    from infra.state import lambda_credentials
+
+    state = tmp_path / "state"
+    creds = lambda_credentials(state)
+    root = Path(__file__).parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLART_LAMBDA_")}
+    with LocalLambda([], credentials=creds, idle_timeout_s=5) as endpoint:
+        zip_path = build_package(tmp_path / "rewards.zip", no_deps=True).path
+        args = [sys.executable, "-m", "cli.main", "lambda", "deploy", "-f", "deployed",
+                "--zip", str(zip_path), "--endpoint-url", endpoint.url, "--timeout", "10"]
+        ok = subprocess.run([*args, "--state-dir", str(state)], capture_output=True, text=True,
+                            cwd=root, env={**env, "PYTHONPATH": str(root)}, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["alias"] == "live"
+        none = subprocess.run([*args, "--state-dir", str(tmp_path / "no-stack")],
+                              capture_output=True, text=True, cwd=root,
+                              env={**env, "PYTHONPATH": str(root)}, timeout=120)
+        assert none.returncode == 2 and len(none.stderr.strip().splitlines()) == 1, none.stderr
+        assert "ROLLART_LAMBDA_ACCESS_KEY_ID" in none.stderr
+        assert "deployed" in endpoint.metrics()["functions"]
