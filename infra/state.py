@@ -27,8 +27,17 @@ LAMBDA_CREDENTIALS = "lambda-credentials.json"
 
 
 def private_dir(path: Path | str) -> Path:
+    """`path` as a 0700 directory. Parents it has to create are 0700 too (mkdir(parents=True)
+    would make them with the umask's mode); existing parents are left as they are."""
     path = Path(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+        d.chmod(0o700)
     if stat.S_IMODE(path.stat().st_mode) != 0o700:
         path.chmod(0o700)
     return path

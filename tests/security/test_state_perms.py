@@ -64,6 +64,14 @@ def test_credentials_and_state_files_are_private(tmp_path, loose_umask):
     assert _mode(state / "stack.json") == 0o600
 
 
+def test_new_parents_are_private_too(tmp_path, loose_umask):
+    seaweed = private_dir(tmp_path / "fresh" / ".rollart" / "seaweed")  # as infra.seaweed does
+    assert _mode(seaweed) == _mode(seaweed.parent) == _mode(seaweed.parent.parent) == 0o700
+    tmp_path.chmod(0o755)  # an existing parent (say, the project checkout) is left as it is
+    private_dir(tmp_path / "another")
+    assert _mode(tmp_path) == 0o755 and _mode(tmp_path / "another") == 0o700
+
+
 def test_existing_loose_paths_are_tightened_and_symlinks_not_followed(tmp_path, loose_umask):
     d = tmp_path / "old-state"
     d.mkdir(mode=0o755)
