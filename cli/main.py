@@ -38,6 +38,20 @@ def _ensure_prefect_api() -> str | None:
     return server.ui_url
 
 
+def _share_stack_lambda_keys() -> None:
+    """On an existing cluster (`--scheduler`, e.g. the stack's), the run's embedded Lambda
+    endpoint takes the stack's key pair, which the stack's workers sign with, when this
+    environment names none."""
+    from infra.stack import default_state_dir
+    from infra.state import lambda_credentials
+    from rollart.rewards.client import LambdaCredentials
+
+    if LambdaCredentials.from_env() is None:
+        creds = lambda_credentials(default_state_dir(), create=False)
+        if creds is not None:
+            os.environ.update(creds.env())
+
+
 @app.command()
 def check_config(
     config: Path = typer.Option(Path("configs/default.yaml"), "--config", "-c"),
@@ -69,6 +83,8 @@ def train(
                 check_run_id(value, what)
     except ConfigError as err:
         _fail(str(err))
+    if scheduler:
+        _share_stack_lambda_keys()
     ui = _ensure_prefect_api()
     if not verbose:  # every log still reaches the Prefect UI; the terminal shows the table
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
