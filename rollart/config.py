@@ -93,6 +93,10 @@ class VLLMEngineConfig(_Strict):
     prefix_caching: bool = True
     enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast start, slower decode
     sleep_mode: bool = True  # use vLLM sleep/wake where the platform has it (not on CPU)
+    # CPU backend: keep linear weights as plain tensors (torch's GEMM) instead of oneDNN-packed
+    # copies, so a weight sync is an in-place copy (~0.1 s) rather than a reload-and-repack
+    # (~4 s for SmolLM2-135M). benchmarks/vs_trl.py measures both.
+    inplace_weights: bool = True
     extra: dict[str, Any] = {}  # passed to vllm.LLM(...) as is
 
 
@@ -106,6 +110,9 @@ class EngineConfig(_Strict):
     stop: list[str] = ["</answer>"]
     max_batch_size: int = Field(256, gt=0)
     threads: int = Field(2, gt=0)  # torch intra-op threads on the engine worker while generating
+    # Weight sync between processes on one host through a /dev/shm file (no socket copy);
+    # engines on another host get the tensors through the actor call as before.
+    shared_memory_sync: bool = True
 
 
 class TaskConfig(_Strict):

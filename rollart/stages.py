@@ -143,13 +143,25 @@ def _push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
                         "perf/weights_pull_s": max(p["pull_s"] for p in pulls)},
             **worker_identity(),
         }
-    version, state = call(trainer, "export_weights")
-    pauses = [call(e, "update_weights", version, state)["pause_s"] for e in engines]
-    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    # Same host: engines copy from the trainer's /dev/shm file; any other engine gets the
+    # tensors through the call (exported once, only if needed).
+    shared = call(trainer, "share_weights") if call(trainer, "shared_memory_sync") else None
+    pauses, state, version = [], None, shared["version"] if shared else -1
+    nbytes, via_shm = float(shared["bytes"]) if shared else 0.0, 0
+    for e in engines:
+        out = call(e, "load_shared_weights", shared) if shared else None
+        if out is None:
+            if state is None:
+                version, state = call(trainer, "export_weights")
+                nbytes = float(sum(v.numel() * v.element_size() for v in state.values()))
+            out = call(e, "update_weights", version, state)
+        else:
+            via_shm += 1
+        pauses.append(out["pause_s"])
     return {
         "version": version,
         "metrics": {"perf/sync_s": time.perf_counter() - t0, "perf/sync_pause_s": max(pauses),
-                    "perf/sync_bytes": float(nbytes)},
+                    "perf/sync_bytes": nbytes, "perf/sync_shm_engines": float(via_shm)},
         **worker_identity(),
     }
 

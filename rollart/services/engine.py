@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 from rollart.engines import make_engine
+from rollart.engines.shared_weights import read_shared
 from rollart.handles import worker_identity
 from rollart.models.policy import param_count
 from rollart.models.run_model import build_model, param_checksum
@@ -61,6 +62,14 @@ class EngineService:
         pause = time.perf_counter() - t0
         self.sync_pauses.append(pause)
         return {"version": float(version), "pause_s": pause}
+
+    def load_shared_weights(self, desc: dict[str, Any]) -> dict[str, float] | None:
+        """Copy weights from the trainer's shared-memory file (same host); None when this
+        process cannot map it, so the caller sends the tensors instead."""
+        state = read_shared(desc)
+        if state is None:
+            return None
+        return self.update_weights(int(desc["version"]), state)
 
     def pull_weights(self, version: int) -> dict[str, float]:
         """Load a published weight version from the store (`weights/v{version}/`)."""

@@ -4,10 +4,13 @@ run; also the owner of the sample ledger and the checkpoints (`rollart/storage/c
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Any
 
 import torch
 
+from rollart.engines.shared_weights import SharedWeightsWriter, shm_dir
 from rollart.handles import worker_identity
 from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
@@ -31,6 +34,8 @@ class TrainerService:
         # Ledger, checkpoint snapshots and background uploads (rollart/storage/checkpointing.py)
         self.ckpt = Checkpointer(cfg, self.store)
         self.identity = worker_identity()
+        self._shared: SharedWeightsWriter | None = None  # /dev/shm file, made on first sync
+        self._run_id = run.run_id
 
     def update(self, trajs: list[Trajectory],
                dropped: list[tuple[str, int, str]] | None = None) -> dict[str, Any]:
@@ -47,6 +52,18 @@ class TrainerService:
 
     def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.trainer.version, self.trainer.export_weights()
+
+    def share_weights(self) -> dict[str, Any]:
+        """Copy the current weights into this trainer's shared-memory file; returns the small
+        descriptor engines on this host map (rollart/engines/shared_weights.py)."""
+        if self._shared is None:
+            path = shm_dir() / f"rollart-{self._run_id}-{os.getpid()}.weights"
+            self._shared = SharedWeightsWriter(path)
+            weakref.finalize(self, self._shared.close)  # the file holds RAM until removed
+        return self._shared.publish(self.trainer.version, self.trainer.model.state_dict())
+
+    def shared_memory_sync(self) -> bool:
+        return self.cfg.engine.shared_memory_sync
 
     def sync_via_store(self) -> bool:
         return self.cfg.storage.sync_via_store
