@@ -93,9 +93,9 @@ class VLLMEngineConfig(_Strict):
     prefix_caching: bool = True
     enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast start, slower decode
     sleep_mode: bool = True  # use vLLM sleep/wake where the platform has it (not on CPU)
-    # CPU backend: keep linear weights as plain tensors (torch's GEMM) instead of oneDNN-packed
-    # copies, so a weight sync is an in-place copy (~0.1 s) rather than a reload-and-repack
-    # (~4 s for SmolLM2-135M). benchmarks/vs_trl.py measures both.
+    # CPU backend: keep each linear layer's plain weight next to its packed GEMM copy, so a
+    # weight sync is an in-place copy + repack (~0.4 s for SmolLM2-135M) instead of vLLM's
+    # layer-wise reload (0.6-4 s); costs one more copy of the weights in host RAM.
     inplace_weights: bool = True
     extra: dict[str, Any] = {}  # passed to vllm.LLM(...) as is
 
