@@ -100,6 +100,9 @@ class StorageConfig(_Strict):
     credentials_block: str | None = None  # Prefect Secret block name (the name, never the key)
     create_bucket: bool = False  # create the bucket at start when it does not exist
     retry_timeout_s: float = Field(120.0, gt=0.0)  # keep retrying transient errors this long
+    # Object stores: the run's writer lock (runs/{id}/run.lock) is refreshed every third of
+    # this and counts as its holder's death (stale) once older; local stores use flock instead.
+    lock_ttl_s: float = Field(60.0, ge=5.0)
     # Weight versions in the store (weights/v{n}/): publish every N versions (0: never) in the
     # background; `sync_via_store` makes engines pull each version from the store instead of
     # the direct trainer -> engine transfer (engines on another cluster).

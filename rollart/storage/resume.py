@@ -35,6 +35,7 @@ from rollart.config import (
     config_from_dict,
 )
 from rollart.storage.ledger import SampleLedger
+from rollart.storage.lock import RunLock
 from rollart.storage.store import RunStore, checkpoint_rel, shard_rel
 from rollart.storage.weights import delete_weights_after
 
@@ -185,15 +186,18 @@ def dumps(point: ResumePoint) -> str:
     return json.dumps(point.as_dict(), sort_keys=True)
 
 
-def start_run(cfg: RunConfig, overrides: list[str], run_id: str,
-              resume: bool) -> tuple[RunConfig, ResumePoint | None]:
-    """At flow start, before any cluster: check the store (one-line StorageError), then either
-    refuse to reuse a run id that has checkpoints or prepare the resume (ResumeError).
-    Writes the run's requested config (`config.yaml`, the base of a later resume)."""
+def start_run(cfg: RunConfig, overrides: list[str], run_id: str, resume: bool,
+              lock: RunLock | None = None) -> tuple[RunConfig, ResumePoint | None]:
+    """At flow start, before any cluster: check the store (one-line StorageError), take the
+    run's writer `lock` (RunLockedError naming the holder; the caller releases it when the run
+    ends), then either refuse to reuse a run id that has checkpoints or prepare the resume
+    (ResumeError). Writes the run's requested config (`config.yaml`, the base of a resume)."""
     from rollart.config import dump_config
     from rollart.storage.s3 import check_storage
 
     check_storage(cfg.storage)
+    if lock is not None:  # before any file of the run is touched (rollback included)
+        lock.acquire()
     store = RunStore.from_config(cfg.storage, run_id)
     point = None
     if resume:
