@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from rollart import stages
 from rollart.config import RunConfig
-from rollart.handles import call
+from rollart.handles import call, set_call_timeout
 from rollart.metric_sinks import make_sinks
 from rollart.run import RunSpec
 from rollart.spans import SPAN, busy_seconds, info_of
@@ -162,6 +162,7 @@ class IterationDriver:
     def __init__(self, run: RunSpec, runner: StageRunner, factory: ServiceFactory,
                  placement: Placement | None = None, eval_every: int | None = None) -> None:
         self.run, self.cfg = run, run.cfg
+        set_call_timeout(run.cfg.cluster.call_timeout_s)  # this process's actor calls
         self.runner, self.factory = runner, factory
         self.placed = placement or Placement()
         self.eval_every = eval_every

@@ -68,7 +68,8 @@ def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, A
     ran (and were rewarded as each ended) while earlier updates trained, as far as
     `rollout.max_staleness` allows; this waits only for what is still missing."""
     t0 = time.perf_counter()
-    trajs, info = call(rollout, "take_batch", iteration)
+    # Waits for data, as long as rollouts take: no call deadline (episodes have their own).
+    trajs, info = call(rollout, "take_batch", iteration, timeout=None)
     m = info["metrics"]
     m["perf/rollout_s"] = time.perf_counter() - t0  # time the trainer waited for rollouts
     return trajs, {**info, **worker_identity()}

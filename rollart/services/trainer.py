@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollart.handles import worker_identity
+from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
 from rollart.storage.checkpointing import Checkpointer
@@ -21,6 +21,7 @@ class TrainerService:
 
     def __init__(self, run: RunSpec) -> None:
         self.cfg = cfg = run.cfg
+        set_call_timeout(cfg.cluster.call_timeout_s)  # calls made from this worker
         torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.seed)
         self.store = run.store()
