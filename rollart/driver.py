@@ -186,6 +186,10 @@ class IterationDriver:
             first = int(self.restored["next_iteration"])
         self.placed("sync_weights", info(self.runner.submit("sync_weights", trainer, engines)))
         rollout = f.rollout(engines, hosts, first)
+        if self.restored is not None:  # async runs: the groups it held at the checkpoint
+            state, pending = call(trainer, "take_rollout_state")
+            if state is not None:
+                self.restored["rollout"] = call(rollout, "restore_state", state, pending)
         self.placed("rollout_service", call(rollout, "start") or {})
         self.svc = Services(trainer, engines, hosts, rollout)
         self.t_start = time.perf_counter()
@@ -205,7 +209,7 @@ class IterationDriver:
         synced = submit("sync_weights", sv.trainer, sv.engines,
                         None if plan.checkpoint else sv.rollout, plan.step, after=[updated])
         ckpt = submit("checkpoint", sv.trainer, plan.step, {"iteration": it}, sv.engines,
-                      after=[updated]) if plan.checkpoint else None
+                      sv.rollout, after=[updated]) if plan.checkpoint else None
         ev = submit("evaluate", run, sv.engines, self.cfg.eval.episodes,
                     after=[synced]) if plan.evaluate else None
 

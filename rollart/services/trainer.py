@@ -58,9 +58,11 @@ class TrainerService:
 
     def save_checkpoint(self, step: int, meta: dict[str, Any],
                         engine_rng: list[bytes] | None = None,
-                        pending: list[Trajectory] | None = None) -> dict[str, Any]:
+                        pending: list[Trajectory] | None = None,
+                        rollout_state: bytes | None = None) -> dict[str, Any]:
         """Snapshot now, upload in the background (`storage.background_upload`)."""
-        return {**self.ckpt.save(self.trainer, step, meta, engine_rng, pending), **self.identity}
+        return {**self.ckpt.save(self.trainer, step, meta, engine_rng, pending, rollout_state),
+                **self.identity}
 
     def flush_checkpoints(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Wait for background uploads (checkpoints, weight versions); raises a failure."""
@@ -74,6 +76,11 @@ class TrainerService:
         """Complete-but-unconsumed samples restored from the checkpoint (handed out once)."""
         out, self.ckpt.pending = self.ckpt.pending, []
         return out
+
+    def take_rollout_state(self) -> tuple[bytes | None, list[Trajectory]]:
+        """The restored rollout service state and its pending samples (handed out once)."""
+        state, self.ckpt.rollout_state = self.ckpt.rollout_state, None
+        return state, self.take_pending()
 
     def ledger_records(self) -> list[list[Any]]:
         return [list(r) for r in self.ckpt.ledger.records]
