@@ -264,7 +264,9 @@ class IterationDriver:
         sv = self.svc
         rollout_stats = call(sv.rollout, "stop")
         rollout_stats["env_hosts"] = self.factory.host_stats(sv.hosts)
-        uploads = call(sv.trainer, "flush_checkpoints")
+        # Waits for uploads as long as they take (each store operation has its own retry
+        # budget, storage.retry_timeout_s): a large checkpoint may outlast any call deadline.
+        uploads = call(sv.trainer, "flush_checkpoints", timeout=None)
         shards = self.factory.flush_shards()
         self._close_sinks()
         return {"rollout": rollout_stats, "uploads": uploads, "shards_flushed": shards,
