@@ -132,7 +132,9 @@ class RunLock:
         if time.time() - float(holder.get("heartbeat", 0)) > self.ttl_s:
             return True
         # Same host: a dead pid is a dead run, no need to wait for the heartbeat to expire.
-        return holder.get("host") == self.holder["host"] and not _pid_alive(int(holder["pid"]))
+        pid = holder.get("pid")
+        return (holder.get("host") == self.holder["host"] and isinstance(pid, int) and pid > 0
+                and not _pid_alive(pid))
 
     def _write(self) -> None:
         self.store.write_bytes(LOCK, json.dumps({**self.holder,
