@@ -3,6 +3,7 @@
 - `atomic_write`: write a temporary file next to the target, fsync it, rename it over the
   target, fsync the directory. A reader (or a resume after a crash or power loss) sees the old
   file or the new one, never a prefix of the new one.
+- `crc32`, `matches_entry`: does a file's content match its manifest entry (size and CRC32)?
 - `parse_jsonl`: JSON lines where the last line may be torn (an append cut short by a crash:
   appends are not atomic); a torn trailing line is reported, not fatal. A bad line anywhere
   else is real corruption and raises.
@@ -14,7 +15,22 @@ import contextlib
 import json
 import os
 import uuid
+import zlib
 from typing import Any
+
+
+def crc32(data: bytes) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def want_entry(entry: Any) -> dict[str, Any]:
+    """A manifest entry as a dict (old manifests list the size only)."""
+    return entry if isinstance(entry, dict) else {"bytes": entry}
+
+
+def matches_entry(data: bytes, entry: Any) -> bool:
+    want = want_entry(entry)
+    return len(data) == want["bytes"] and ("crc32" not in want or crc32(data) == want["crc32"])
 
 
 def atomic_write(path: str, data: bytes) -> None:

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +34,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollart.storage.files import atomic_write, parse_jsonl
+from rollart.storage.files import atomic_write, crc32, matches_entry, parse_jsonl, want_entry
 from rollart.storage.s3 import StorageError, retrying, storage_options
 from rollart.types import Trajectory, table_to_trajectories, trajectories_to_table
 
@@ -64,10 +63,6 @@ def shard_rel(step: int) -> str:
 def eval_rel(step: int) -> str:
     """The evaluation results of checkpoint `step`, relative to the run."""
     return f"eval/{step:08d}.json"
-
-
-def crc32(data: bytes) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 class RunStore:
@@ -358,8 +353,8 @@ class RunStore:
         files: dict[str, bytes] = {}
         for name in names:
             data = raw[f"{rel}/{name}"]
-            if not _matches(data, manifest["files"][name]):
-                want = _want(manifest["files"][name])
+            if not matches_entry(data, manifest["files"][name]):
+                want = want_entry(manifest["files"][name])
                 raise StorageError(f"storage: checkpoint {step} file {name} is corrupt or torn "
                                    f"({len(data)} bytes, manifest says {want['bytes']}, CRC32 "
                                    f"{want.get('crc32')})")
@@ -379,7 +374,7 @@ class RunStore:
             except FileNotFoundError:
                 bad.append(name)
                 continue
-            if not _matches(data, entry):
+            if not matches_entry(data, entry):
                 bad.append(name)
         return bad
 
@@ -395,15 +390,6 @@ class RunStore:
                 self.delete(checkpoint_rel(step))
                 removed.append(step)
         return removed
-
-
-def _want(entry: Any) -> dict[str, Any]:
-    return entry if isinstance(entry, dict) else {"bytes": entry}  # old manifests: size only
-
-
-def _matches(data: bytes, entry: Any) -> bool:
-    want = _want(entry)
-    return len(data) == want["bytes"] and ("crc32" not in want or crc32(data) == want["crc32"])
 
 
 def _slow_checkpoint_delay(step: int) -> float:
