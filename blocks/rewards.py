@@ -26,7 +26,9 @@ class LambdaRewards(Block):
     region: str = Field("us-east-1")
     max_concurrency: int = Field(32, ge=1, le=1000, description="Invocations in flight")
     timeout_s: float = Field(60.0, gt=0, le=900)
-    max_retries: int = Field(5, ge=0, le=50)
+    max_retries: int = Field(5, ge=0, le=50, description="Retries of a handler error")
+    retry_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Retry throttles, 5xx and endpoint outages this long")
     on_error: Literal["retry", "zero", "fail"] = Field(
         "retry", description="Handler error: retry then fail, score 0 and flag, or fail the run")
     aws_access_key_id: SecretStr | None = Field(
@@ -41,6 +43,7 @@ class LambdaRewards(Block):
             "embedded_endpoint": self.embedded_endpoint and not self.endpoint_url,
             "max_concurrency": self.max_concurrency,
             "timeout_s": self.timeout_s, "max_retries": self.max_retries,
+            "retry_timeout_s": self.retry_timeout_s,
             "on_error": self.on_error,
         }
         return [f"reward.{k}={json.dumps(v)}" for k, v in values.items()]

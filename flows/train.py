@@ -31,6 +31,7 @@ from rollart.dask_services import DaskServices
 from rollart.driver import IterationDriver, IterationResult, Placement
 from rollart.metrics import summary_row
 from rollart.run import RunSpec
+from rollart.storage.lock import run_lock
 from rollart.storage.resume import ResumeError, describe, start_run
 from rollart.storage.s3 import StorageError
 from tasks.stages import PrefectStages, task_runner
@@ -69,16 +70,21 @@ def train(
     except ConfigError as err:
         return Failed(message=str(err))
     logger = get_run_logger()
+    lock = None  # one writer per run id: a second train/resume of it fails here, naming us
     try:  # store reachable with these credentials; resume point; before any cluster starts
+        lock = run_lock(cfg.storage, run_id)
         cfg, point = start_run(cfg, blocks.overrides + list(overrides or []), run_id,
-                               resume=bool(resume))
+                               resume=bool(resume), lock=lock)
     except (StorageError, ResumeError) as err:
+        if lock is not None:
+            lock.release()
         return Failed(message=str(err))
     if point is not None:
         logger.info(describe(point))
         progress.note(describe(point).capitalize())
     address = scheduler_address or cfg.cluster.address
     with contextlib.ExitStack() as stack:
+        stack.callback(lock.release)  # last, at the run's end or abort alike
         # Before the cluster: its worker processes inherit the endpoint's key pair to sign with.
         cfg = with_embedded_endpoint(cfg, stack)
         if address is None:

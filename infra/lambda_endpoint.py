@@ -201,6 +201,7 @@ class LocalLambda(ControlPlane):
                invocation_type: str = "RequestResponse") -> tuple[int, dict[str, str], bytes]:
         name, qualifier = split_name(raw, qualifier)
         with self._lock:
+            self._check_running()
             fn = self._function(name)
             version = fn.resolve(qualifier)
             st = self._stat(fn.name)
@@ -220,11 +221,19 @@ class LocalLambda(ControlPlane):
             threading.Thread(target=self._await, args=(fn, pool, inv), daemon=True).start()
             return 202, {"x-amzn-RequestId": inv.request_id}, b""
         self._await(fn, pool, inv)
+        if self._stop.is_set():  # cut short by our shutdown: not the handler's fault
+            self._check_running()
         headers = {"X-Amz-Executed-Version": version.spec.version,
                    "x-amzn-RequestId": inv.request_id}
         if inv.function_error:
             headers["X-Amz-Function-Error"] = inv.function_error
         return 200, headers, inv.body
+
+    def _check_running(self) -> None:
+        """A stopping endpoint answers 503, as Lambda does when its service is unavailable, so
+        clients retry (an in-flight invocation cut short by a restart is no handler error)."""
+        if self._stop.is_set():
+            raise ApiError(503, "ServiceException", "the Lambda endpoint is shutting down")
 
     def _await(self, fn: Function, pool: Pool, inv: Invocation) -> None:
         try:
@@ -335,6 +344,9 @@ class _ApiHandler(BaseHTTPRequestHandler):
             status, headers = 500, {"x-amzn-ErrorType": "ServiceException"}
             msg = "An internal error occurred in the local Lambda endpoint."
             out = json.dumps({"Type": "Service", "message": msg, "Message": msg}).encode()
+        if self.server.lam._stop.is_set():  # make kept-alive clients reconnect (to a successor)
+            self.close_connection = True
+            headers["Connection"] = "close"
         self.send_response(status)
         headers.setdefault("x-amzn-RequestId", str(uuid.uuid4()))
         self.send_header("Content-Type", "application/json")

@@ -216,6 +216,11 @@ class ClusterConfig(_Strict):
     stages: dict[str, str] = Field(default_factory=default_stages)
     threads_per_worker: int = Field(1, gt=0)
     dashboard: bool = True
+    # Deadline of every call to a service on another worker (actor call: update, sync,
+    # checkpoint, generate, env step, ...): past it the call raises CallTimeoutError naming the
+    # service and method instead of hanging the run. Generous: a policy update of a large
+    # model is one such call. Waiting for a batch (`take_batch`) has no deadline.
+    call_timeout_s: float = Field(600.0, gt=0.0)
     # How the flow runs its stage tasks (both keep every stage on a worker of its class):
     # "threads": Prefect tasks on a thread pool in the flow process, each submitting its stage
     #   as a raw Dask task annotated with the class (~ms of Prefect overhead per task);

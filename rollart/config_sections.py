@@ -30,11 +30,16 @@ class RewardConfig(_Strict):
     region: str = "us-east-1"
     max_concurrency: int = Field(32, ge=1, le=1000)  # invocations in flight from this client
     timeout_s: float = Field(60.0, gt=0.0, le=900.0)  # per call (socket read timeout)
-    max_retries: int = Field(5, ge=0, le=50)  # per episode, for throttles, 5xx, timeouts
+    # Transient failures (throttles, 5xx, timeouts, endpoint down or restarting) are retried
+    # for this long per episode, so an endpoint restart or a throttling burst costs latency,
+    # not the run; past it the episode's reward fails with RewardError.
+    retry_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
+    max_retries: int = Field(5, ge=0, le=50)  # per episode, for handler errors (on_error=retry)
     # A handler error (FunctionError): retry (then fail), score 0 and flag it, or fail the run.
     on_error: Literal["retry", "zero", "fail"] = "retry"
     backoff_base_s: float = Field(0.05, gt=0.0)  # jittered exponential backoff: base ...
-    backoff_max_s: float = Field(5.0, gt=0.0)  # ... and cap
+    # ... and cap: a few seconds, so a restarted endpoint is noticed soon after it is back.
+    backoff_max_s: float = Field(2.0, gt=0.0)
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:
@@ -95,6 +100,9 @@ class StorageConfig(_Strict):
     credentials_block: str | None = None  # Prefect Secret block name (the name, never the key)
     create_bucket: bool = False  # create the bucket at start when it does not exist
     retry_timeout_s: float = Field(120.0, gt=0.0)  # keep retrying transient errors this long
+    # Object stores: the run's writer lock (runs/{id}/run.lock) is refreshed every third of
+    # this and counts as its holder's death (stale) once older; local stores use flock instead.
+    lock_ttl_s: float = Field(60.0, ge=5.0)
     # Weight versions in the store (weights/v{n}/): publish every N versions (0: never) in the
     # background; `sync_via_store` makes engines pull each version from the store instead of
     # the direct trainer -> engine transfer (engines on another cluster).

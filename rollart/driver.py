@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from rollart import stages
 from rollart.config import RunConfig
-from rollart.handles import call
+from rollart.handles import call, set_call_timeout
 from rollart.metric_sinks import make_sinks
 from rollart.run import RunSpec
 from rollart.spans import SPAN, busy_seconds, info_of
@@ -162,6 +162,7 @@ class IterationDriver:
     def __init__(self, run: RunSpec, runner: StageRunner, factory: ServiceFactory,
                  placement: Placement | None = None, eval_every: int | None = None) -> None:
         self.run, self.cfg = run, run.cfg
+        set_call_timeout(run.cfg.cluster.call_timeout_s)  # this process's actor calls
         self.runner, self.factory = runner, factory
         self.placed = placement or Placement()
         self.eval_every = eval_every
@@ -185,6 +186,10 @@ class IterationDriver:
             first = int(self.restored["next_iteration"])
         self.placed("sync_weights", info(self.runner.submit("sync_weights", trainer, engines)))
         rollout = f.rollout(engines, hosts, first)
+        if self.restored is not None:  # async runs: the groups it held at the checkpoint
+            state, pending = call(trainer, "take_rollout_state")
+            if state is not None:
+                self.restored["rollout"] = call(rollout, "restore_state", state, pending)
         self.placed("rollout_service", call(rollout, "start") or {})
         self.svc = Services(trainer, engines, hosts, rollout)
         self.t_start = time.perf_counter()
@@ -204,7 +209,7 @@ class IterationDriver:
         synced = submit("sync_weights", sv.trainer, sv.engines,
                         None if plan.checkpoint else sv.rollout, plan.step, after=[updated])
         ckpt = submit("checkpoint", sv.trainer, plan.step, {"iteration": it}, sv.engines,
-                      after=[updated]) if plan.checkpoint else None
+                      sv.rollout, after=[updated]) if plan.checkpoint else None
         ev = submit("evaluate", run, sv.engines, self.cfg.eval.episodes,
                     after=[synced]) if plan.evaluate else None
 
@@ -259,7 +264,9 @@ class IterationDriver:
         sv = self.svc
         rollout_stats = call(sv.rollout, "stop")
         rollout_stats["env_hosts"] = self.factory.host_stats(sv.hosts)
-        uploads = call(sv.trainer, "flush_checkpoints")
+        # Waits for uploads as long as they take (each store operation has its own retry
+        # budget, storage.retry_timeout_s): a large checkpoint may outlast any call deadline.
+        uploads = call(sv.trainer, "flush_checkpoints", timeout=None)
         shards = self.factory.flush_shards()
         self._close_sinks()
         return {"rollout": rollout_stats, "uploads": uploads, "shards_flushed": shards,

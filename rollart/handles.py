@@ -1,16 +1,56 @@
 """Service handles: a long-lived service is a Dask actor in a run and a plain object in tests,
 benchmarks and the in-process mode. These helpers hide the difference.
+
+Every actor call has a deadline (`cluster.call_timeout_s`): a hung or lost worker must fail
+the call with an error that names the service and method, not hang the run. `set_call_timeout`
+installs the run's value in a process (the driver and each service do it); a process that
+never heard of the run keeps the config's default. Plain objects are called directly, in the
+caller's thread: nothing crosses a worker, so there is nothing to time out.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+DEFAULT_CALL_TIMEOUT_S = 600.0  # = ClusterConfig.call_timeout_s's default
+_call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S
 
-def call(handle: Any, method: str, *args: Any) -> Any:
-    """A Dask actor call (returns a future) or a plain method call, uniformly."""
+
+class CallTimeoutError(TimeoutError):
+    """An actor call ran past its deadline; the message names the service and the method."""
+
+
+def set_call_timeout(seconds: float | None) -> None:
+    """This process's deadline for actor calls (None: no deadline)."""
+    global _call_timeout_s
+    _call_timeout_s = seconds
+
+
+def call_timeout() -> float | None:
+    return _call_timeout_s
+
+
+def service_name(handle: Any) -> str:
+    """The class behind a handle (a Dask actor's `_cls`, or the object's own type)."""
+    return getattr(getattr(handle, "_cls", None), "__name__", None) or type(handle).__name__
+
+
+def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "default") -> Any:
+    """A Dask actor call (returns a future) or a plain method call, uniformly. `timeout`:
+    seconds, None for no deadline (a call that waits for data by design), or the process's
+    deadline (`set_call_timeout`) by default."""
     out = getattr(handle, method)(*args)
-    return out.result() if hasattr(out, "result") and callable(out.result) else out
+    if not (hasattr(out, "result") and callable(out.result)):
+        return out
+    limit = _call_timeout_s if timeout == "default" else timeout
+    try:
+        return out.result(timeout=limit)
+    except TimeoutError as err:
+        if limit is None:
+            raise
+        raise CallTimeoutError(
+            f"{service_name(handle)}.{method} did not answer within {limit:g}s "
+            "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
 
 
 def worker_identity() -> dict[str, Any]:

@@ -17,6 +17,7 @@ from rollart.rollout.setup import build_rollout_service
 from rollart.run import RunSpec
 from rollart.services import EngineService, TrainerService
 from rollart.storage.background import flush_all
+from rollart.storage.lock import run_lock
 from rollart.storage.resume import prepare_resume
 
 
@@ -56,6 +57,14 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
     `stop_when(greedy eval history)` may end the run early. `resume`: continue run `run_id`
     from its latest complete checkpoint (exact resume)."""
     run = RunSpec(cfg, run_id)
+    with run_lock(cfg.storage, run_id):  # one writer per run id, released on abort too
+        return _run_locked(run, on_iteration, eval_every, stop_when, resume)
+
+
+def _run_locked(run: RunSpec, on_iteration: Callable[[dict], None] | None,
+                eval_every: int | None, stop_when: Callable[[list[float]], bool] | None,
+                resume: bool) -> dict[str, Any]:
+    run_id = run.run_id
     point = prepare_resume(run.store()) if resume else None
     services = LocalServices(run)
     driver = IterationDriver(run, InProcessRunner(), services, eval_every=eval_every)

@@ -68,7 +68,8 @@ def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, A
     ran (and were rewarded as each ended) while earlier updates trained, as far as
     `rollout.max_staleness` allows; this waits only for what is still missing."""
     t0 = time.perf_counter()
-    trajs, info = call(rollout, "take_batch", iteration)
+    # Waits for data, as long as rollouts take: no call deadline (episodes have their own).
+    trajs, info = call(rollout, "take_batch", iteration, timeout=None)
     m = info["metrics"]
     m["perf/rollout_s"] = time.perf_counter() - t0  # time the trainer waited for rollouts
     return trajs, {**info, **worker_identity()}
@@ -168,11 +169,14 @@ def _push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
 
 @timed_stage
 def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
-               engines: list[Any] | None = None) -> dict[str, Any]:
-    """Snapshot trainer state, sample ledger and the engines' sampling RNG (exact resume);
-    the trainer uploads it in the background, so this returns before the upload ends."""
+               engines: list[Any] | None = None, rollout: Any = None) -> dict[str, Any]:
+    """Snapshot trainer state, sample ledger, the engines' sampling RNG (exact resume) and the
+    rollout service's unconsumed groups (async runs: rollart/rollout/snapshot.py); the trainer
+    uploads it in the background, so this returns before the upload ends."""
     engine_rng = [call(e, "rng_state") for e in engines or []]
-    return {**call(trainer, "save_checkpoint", step, meta, engine_rng or None),
+    state, pending = call(rollout, "snapshot") if rollout is not None else (None, [])
+    return {**call(trainer, "save_checkpoint", step, meta, engine_rng or None, pending or None,
+                   state),
             "caller": worker_identity()}
 
 

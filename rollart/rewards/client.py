@@ -3,7 +3,8 @@
 - `LocalRewardClient`: the handler in-process (no network; the default backend).
 - `LambdaRewardClient`: boto3 `invoke` against AWS Lambda or the local endpoint
   (`infra/lambda_endpoint.py`, through `endpoint_url`), with bounded concurrency, a per-call
-  timeout, jittered exponential backoff on throttles/5xx and a policy for handler errors.
+  timeout, jittered exponential backoff on throttles/5xx/transport errors for a time budget
+  (`reward.retry_timeout_s`) and a policy for handler errors.
 
 Both offer `submit(traj) -> Future` so a rollout can score each episode the moment it ends and
 overlap scoring with generation; `score(trajs)` is submit-all-then-wait.
@@ -121,9 +122,11 @@ class LocalRewardClient:
 class LambdaRewardClient:
     """Invokes a Lambda function per episode (RequestResponse), at most `max_concurrency` at once.
 
-    Throttles (429), 5xx and transport timeouts are retried with jittered exponential backoff,
-    up to `max_retries` times. A handler error (`FunctionError` in the response) follows
-    `on_error`: "retry" (up to max_retries, then fail), "zero" (reward 0.0 and
+    Transient failures (throttles, 5xx, transport errors: the endpoint down, restarting or slow)
+    are retried with jittered exponential backoff (capped at `backoff_max_s`) until
+    `retry_timeout_s` has passed since the episode's first attempt: an endpoint restart or a
+    throttling burst costs latency, not the run. A handler error (`FunctionError` in the
+    response) follows `on_error`: "retry" (up to max_retries, then fail), "zero" (reward 0.0 and
     reward_details["reward_error"] = 1), "fail" (raise RewardError at once).
     """
 
@@ -131,19 +134,20 @@ class LambdaRewardClient:
                  endpoint_url: str | None = None, region: str = "us-east-1",
                  max_concurrency: int = 32, timeout_s: float = 60.0, max_retries: int = 5,
                  on_error: str = "retry", backoff_base_s: float = 0.05,
-                 backoff_max_s: float = 5.0, client: Any = None,
-                 credentials: LambdaCredentials | None = None) -> None:
+                 backoff_max_s: float = 2.0, retry_timeout_s: float = 60.0,
+                 client: Any = None, credentials: LambdaCredentials | None = None) -> None:
         if on_error not in ("retry", "zero", "fail"):
             raise ValueError(f"on_error must be retry, zero or fail, got {on_error!r}")
         self.function_name, self.alias = function_name, alias
         self.max_retries, self.on_error = max_retries, on_error
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
+        self.retry_timeout_s = retry_timeout_s
         self.client = client or make_boto3_client(endpoint_url, region, timeout_s,
                                                   max_concurrency, credentials)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="reward")
         self._lock = threading.Lock()
         self.stats = {"invocations": 0, "throttles": 0, "retries": 0, "function_errors": 0,
-                      "server_errors": 0}
+                      "server_errors": 0, "transport_errors": 0}
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -151,7 +155,7 @@ class LambdaRewardClient:
 
     def _backoff(self, attempt: int) -> float:
         """Equal jitter: half the exponential step is fixed (progress), half random (spread)."""
-        step = min(self.backoff_max_s, self.backoff_base_s * (2 ** attempt))
+        step = min(self.backoff_max_s, self.backoff_base_s * (2 ** min(attempt, 30)))
         return step / 2 + random.uniform(0.0, step / 2)
 
     def invoke(self, event: dict[str, Any]) -> dict[str, Any]:
@@ -171,11 +175,21 @@ class LambdaRewardClient:
                                   "Payload": json.dumps(event).encode()}
         if self.alias:
             kwargs["Qualifier"] = self.alias
-        last = ""
-        for attempt in range(self.max_retries + 1):
+        t0 = time.monotonic()
+        deadline = t0 + self.retry_timeout_s
+        last, attempt, handler_errors = "", 0, 0
+        while True:
             if attempt:
+                # Never sleep past the budget: the last attempt lands right at the deadline.
+                wait = min(self._backoff(attempt - 1), deadline - time.monotonic())
+                if wait < 0:
+                    raise RewardError(
+                        f"{where} for sample {sample}: gave up after {attempt} attempts in "
+                        f"{time.monotonic() - t0:.1f}s (reward.retry_timeout_s="
+                        f"{self.retry_timeout_s:g}); last error {last}")
                 self._count("retries")
-                time.sleep(self._backoff(attempt - 1))
+                time.sleep(wait)
+            attempt += 1
             self._count("invocations")
             try:
                 resp = self.client.invoke(**kwargs)
@@ -191,13 +205,16 @@ class LambdaRewardClient:
                 last = f"{code or status}: {err}"
                 continue
             except (ReadTimeoutError, ConnectionClosedError, EndpointConnectionError) as err:
+                # The endpoint is down, restarting or hung: the same as a 5xx for us.
+                self._count("transport_errors")
                 last = f"{type(err).__name__}: {err}"
                 continue
             body = resp["Payload"].read()
             if resp.get("FunctionError"):
                 self._count("function_errors")
                 info = _error_text(body)
-                if self.on_error == "retry" and attempt < self.max_retries:
+                if self.on_error == "retry" and handler_errors < self.max_retries:
+                    handler_errors += 1
                     last = info
                     continue
                 if self.on_error == "zero":
@@ -209,8 +226,6 @@ class LambdaRewardClient:
                 raise RewardError(f"{where} returned no 'reward' for sample {sample}: "
                                   f"{body[:200]!r}")
             return result
-        raise RewardError(f"{where} for sample {sample}: gave up after {self.max_retries + 1} "
-                          f"attempts; last error {last}")
 
     def _score_one(self, traj: Trajectory, submitted: float) -> Trajectory:
         t0 = time.perf_counter()
@@ -312,5 +327,6 @@ def make_reward_client(cfg: RewardConfig) -> LocalRewardClient | LambdaRewardCli
                 cfg.lambda_name, alias=cfg.alias, endpoint_url=cfg.endpoint_url,
                 region=cfg.region, max_concurrency=cfg.max_concurrency, timeout_s=cfg.timeout_s,
                 max_retries=cfg.max_retries, on_error=cfg.on_error,
-                backoff_base_s=cfg.backoff_base_s, backoff_max_s=cfg.backoff_max_s)
+                backoff_base_s=cfg.backoff_base_s, backoff_max_s=cfg.backoff_max_s,
+                retry_timeout_s=cfg.retry_timeout_s)
         return _CLIENTS[key]

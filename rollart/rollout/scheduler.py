@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollart.rollout.ids import sample_id
 
@@ -254,6 +255,36 @@ class RolloutScheduler:
         self.counters[f"dropped_{reason}_episodes"] += len(g.finished)
         self.discarded += [(e, reason) for e in g.finished]
         return [Cancel(e, reason) for e in sorted(g.running)]
+
+    # ---- checkpoint state (rollart/rollout/snapshot.py) ----------------------------------
+    def export_state(self) -> dict[str, Any]:
+        """Unconsumed groups (complete or not) and the plan cursor, JSON-ready."""
+        return {"groups": [{"group_id": g.group_id, "task": g.task, "seed": g.seed,
+                            "start_version": g.start_version, "iteration": g.iteration,
+                            "launched": g.launched, "failures": g.failures,
+                            "finished": list(g.finished), "running": sorted(g.running)}
+                           for g in self.groups.values()],
+                "complete": list(self.complete),
+                "task_counts": dict(self._task_counts), "next_group": self._next_group}
+
+    def import_state(self, state: dict[str, Any]) -> list[Start]:
+        """Put exported groups back (a fresh scheduler of a resumed run). Returns the members
+        to launch so that unfinished groups can still complete: new ids, since `launched`
+        continues (the old running ones are the caller's to drop)."""
+        starts: list[Start] = []
+        for d in state["groups"]:
+            g = GroupState(d["group_id"], d["task"], int(d["seed"]), int(d["start_version"]),
+                           int(d["iteration"]), finished=list(d["finished"]),
+                           failures=int(d["failures"]), launched=int(d["launched"]))
+            self.groups[g.group_id] = g
+            for e in g.finished:
+                self.episode_group[e] = g.group_id
+            if not g.complete(self.cfg.group_size):
+                starts += [self._launch(g) for _ in range(self.cfg.group_size - len(g.finished))]
+        self.complete = [gid for gid in state["complete"] if gid in self.groups]
+        self._task_counts = Counter({str(k): int(v) for k, v in state["task_counts"].items()})
+        self._next_group = int(state["next_group"])
+        return starts
 
     def _group_of(self, episode_id: str) -> GroupState | None:
         return self.groups.get(self.episode_group.get(episode_id, ""))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import json
 import threading
 import time
 from collections import Counter, deque
@@ -146,6 +147,7 @@ class RolloutService:
         self._seq = itertools.count()
         self._launched: dict[str, int] = {}  # episode id -> launch sequence number
         self.stopping = False
+        self.deferred: list[Start] = []  # restored members (snapshot.restore) to launch at start
         self.started_at = time.perf_counter()
         # Threads run in a copy of the creator's context: on a Dask worker that carries the
         # worker, which actor handles need to reach their workers from our threads.
@@ -166,7 +168,22 @@ class RolloutService:
             b.thread = self._spawn(b.loop, name="rollout-batcher")
         self._watchdog.start()
         with self.lock:
+            self._launch(self.deferred)
+            self.deferred = []
             self._fill()
+
+    def snapshot(self) -> tuple[bytes | None, list[Trajectory]]:
+        """Unconsumed groups for the checkpoint (rollart/rollout/snapshot.py); (None, []) when
+        there are none (a synchronous run), so its checkpoints stay as they were."""
+        from rollart.rollout import snapshot
+
+        state, trajs = snapshot.snapshot(self)
+        return (state, trajs) if json.loads(state)["groups"] or self.totals.drops else (None, [])
+
+    def restore_state(self, state: bytes, trajs: list[Trajectory]) -> dict[str, int]:
+        from rollart.rollout import snapshot
+
+        return snapshot.restore(self, state, trajs)
 
     def stop(self) -> dict[str, Any]:
         with self.lock:

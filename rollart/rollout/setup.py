@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollart.config import RunConfig
+from rollart.handles import set_call_timeout
 from rollart.models.run_model import chat_format
 from rollart.rewards.client import make_reward_client
 from rollart.rollout.env_manager import constrained_params
@@ -23,6 +24,7 @@ def sampling_params(cfg: RunConfig, greedy: bool = False) -> SamplingParams:
 def build_rollout_service(run: RunSpec, engines: list[Any], hosts: list[Any],
                           version: int = 0) -> RolloutService:
     """The run's rollout service (not started)."""
+    set_call_timeout(run.cfg.cluster.call_timeout_s)  # its calls to engines and env hosts
     chat = chat_format(run)
     return RolloutService(run.cfg, chat, engines, hosts, make_reward_client(run.cfg.reward),
                           constrained_params(sampling_params(run.cfg), chat, run.cfg.tasks),

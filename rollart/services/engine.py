@@ -17,7 +17,7 @@ import torch
 
 from rollart.engines import make_engine
 from rollart.engines.shared_weights import read_shared
-from rollart.handles import worker_identity
+from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.policy import param_count
 from rollart.models.run_model import build_model, param_checksum
 from rollart.routing.setup import emulation_factors
@@ -35,6 +35,7 @@ class EngineService:
     def __init__(self, run: RunSpec, replica: int = 0) -> None:
         self.run = run
         self.cfg = cfg = run.cfg
+        set_call_timeout(cfg.cluster.call_timeout_s)  # calls made from this worker
         torch.set_num_threads(1)
         self.store = run.store()
         model, tok = build_model(run)

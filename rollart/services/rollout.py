@@ -41,6 +41,12 @@ class RolloutServiceActor:
     def set_version(self, version: int) -> None:
         self.service.set_version(version)
 
+    def snapshot(self) -> tuple[bytes | None, list[Trajectory]]:
+        return self.service.snapshot()
+
+    def restore_state(self, state: bytes, trajs: list[Trajectory]) -> dict[str, int]:
+        return self.service.restore_state(state, trajs)
+
     def stats(self) -> dict[str, Any]:
         return self.service.stats()
 

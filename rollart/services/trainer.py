@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from rollart.engines.shared_weights import SharedWeightsWriter, shm_dir
-from rollart.handles import worker_identity
+from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
 from rollart.storage.checkpointing import Checkpointer
@@ -24,6 +24,7 @@ class TrainerService:
 
     def __init__(self, run: RunSpec) -> None:
         self.cfg = cfg = run.cfg
+        set_call_timeout(cfg.cluster.call_timeout_s)  # calls made from this worker
         torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.seed)
         self.store = run.store()
@@ -74,9 +75,11 @@ class TrainerService:
 
     def save_checkpoint(self, step: int, meta: dict[str, Any],
                         engine_rng: list[bytes] | None = None,
-                        pending: list[Trajectory] | None = None) -> dict[str, Any]:
+                        pending: list[Trajectory] | None = None,
+                        rollout_state: bytes | None = None) -> dict[str, Any]:
         """Snapshot now, upload in the background (`storage.background_upload`)."""
-        return {**self.ckpt.save(self.trainer, step, meta, engine_rng, pending), **self.identity}
+        return {**self.ckpt.save(self.trainer, step, meta, engine_rng, pending, rollout_state),
+                **self.identity}
 
     def flush_checkpoints(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Wait for background uploads (checkpoints, weight versions); raises a failure."""
@@ -90,6 +93,11 @@ class TrainerService:
         """Complete-but-unconsumed samples restored from the checkpoint (handed out once)."""
         out, self.ckpt.pending = self.ckpt.pending, []
         return out
+
+    def take_rollout_state(self) -> tuple[bytes | None, list[Trajectory]]:
+        """The restored rollout service state and its pending samples (handed out once)."""
+        state, self.ckpt.rollout_state = self.ckpt.rollout_state, None
+        return state, self.take_pending()
 
     def ledger_records(self) -> list[list[Any]]:
         return [list(r) for r in self.ckpt.ledger.records]

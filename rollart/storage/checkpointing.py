@@ -72,6 +72,7 @@ class Checkpointer:
         self.cfg, self.store = cfg, store
         self.ledger = SampleLedger()
         self.pending: list[Trajectory] = []  # complete, unconsumed samples (restored on resume)
+        self.rollout_state: bytes | None = None  # the rollout service's groups (restored)
         self.uploads = BackgroundWriter("checkpoints", max_pending=1)
         self.weight_uploads = BackgroundWriter("weights", max_pending=2)
 
@@ -92,7 +93,8 @@ class Checkpointer:
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, trainer: Trainer, step: int, meta: dict[str, Any],
              engine_rng: list[bytes] | None = None,
-             pending: list[Trajectory] | None = None) -> dict[str, Any]:
+             pending: list[Trajectory] | None = None,
+             rollout_state: bytes | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         next_it = int(meta.get("next_iteration", int(meta.get("iteration", step - 1)) + 1))
         self.ledger.next_iteration = next_it
@@ -109,6 +111,8 @@ class Checkpointer:
             buf = io.BytesIO()
             torch.save(list(engine_rng), buf)
             files["engine_rng.pt"] = buf.getvalue()
+        if rollout_state is not None:  # async runs: groups not consumed yet (rollout/snapshot.py)
+            files["rollout_state.json"] = rollout_state
         if self.pending:
             buf = io.BytesIO()
             pq.write_table(trajectories_to_table(self.pending), buf)
@@ -153,6 +157,7 @@ class Checkpointer:
         if "pending.parquet" in files:
             self.pending = table_to_trajectories(pq.read_table(io.BytesIO(
                 files["pending.parquet"])))
+        self.rollout_state = files.get("rollout_state.json")
         return {"step": step, "version": trainer.version, "train_step": trainer.step,
                 "next_iteration": self.ledger.next_iteration, "pending": len(self.pending),
                 "ledger": self.ledger.counts(), "path": self.store.checkpoint_dir(step)}

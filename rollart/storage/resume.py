@@ -7,7 +7,10 @@ lives and how it is reached (`storage.root`, endpoint, region, credentials) come
 current invocation, because that is how the run was found. The sample plan depends on `seed`,
 `rollout`, `tasks` and `model`, so a resume may not change them.
 
-Rollback: checkpoints newer than the one resumed from (torn uploads), trajectory shards and
+Which checkpoint: the latest complete one whose every file matches the manifest's CRC32; a
+corrupt one is skipped with a warning naming the bad file, and the previous one is used.
+
+Rollback: checkpoints newer than the one resumed from (torn or corrupt), trajectory shards and
 metrics rows of iterations at or after its `next_iteration`, and weight versions newer than its
 policy version belong to an attempt whose updates are lost; shards and metrics rows move to
 `abandoned/attempt-{n}/`, the rest is deleted, and `resumes.jsonl` records what happened.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,9 +35,11 @@ from rollart.config import (
     config_from_dict,
 )
 from rollart.storage.ledger import SampleLedger
+from rollart.storage.lock import RunLock
 from rollart.storage.store import RunStore, checkpoint_rel, shard_rel
 from rollart.storage.weights import delete_weights_after
 
+log = logging.getLogger("rollart.storage")
 PLAN_KEYS = ("seed", "rollout", "tasks", "model")
 LOCATION_KEYS = ("root", "endpoint_url", "region", "profile", "credentials_block",
                  "create_bucket", "retry_timeout_s")
@@ -52,6 +58,7 @@ class ResumePoint:
     checkpoint: str  # its directory
     attempt: int  # 2 for the first resume, ...
     abandoned: dict[str, Any] = field(default_factory=dict)
+    corrupt: dict[int, list[str]] = field(default_factory=dict)  # skipped checkpoints' bad files
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,20 +107,30 @@ def resume_config(current: RunConfig, overrides: list[str], store: RunStore) -> 
     return cfg
 
 
-def find_resume_point(store: RunStore) -> tuple[int, dict[str, Any]]:
-    step = store.latest_checkpoint()
-    if step is None:
-        torn = store.checkpoint_steps()
-        raise ResumeError(
-            f"cannot resume {store.run_id!r}: no complete checkpoint under {store.url}/checkpoints"
-            + (f" (only torn ones: {torn})" if torn else "")
-        )
-    return step, store.read_manifest(step)
+def find_resume_point(store: RunStore,
+                      corrupt: dict[int, list[str]] | None = None) -> tuple[int, dict[str, Any]]:
+    """The latest complete checkpoint whose files match their CRC32s, and its manifest.
+    Corrupt ones are skipped with a warning and noted in `corrupt` (step -> bad files)."""
+    corrupt = {} if corrupt is None else corrupt
+    for step in reversed(store.list_checkpoints()):
+        bad = store.corrupt_files(step)
+        if not bad:
+            return step, store.read_manifest(step)
+        corrupt[step] = bad
+        log.warning("storage: checkpoint %d of run %r is corrupt (%s under %s do not match the "
+                    "manifest's size/CRC32); falling back to the previous complete checkpoint",
+                    step, store.run_id, ", ".join(bad), store.checkpoint_dir(step))
+    torn = sorted(set(store.checkpoint_steps()) - set(corrupt))
+    raise ResumeError(
+        f"cannot resume {store.run_id!r}: no complete checkpoint under {store.url}/checkpoints"
+        + (f" (only torn ones: {torn})" if torn else "")
+        + (f" (corrupt, CRC32 mismatch: {corrupt})" if corrupt else ""))
 
 
 def prepare_resume(store: RunStore) -> ResumePoint:
-    """Pick the latest complete checkpoint and roll the store back to it."""
-    step, manifest = find_resume_point(store)
+    """Pick the latest intact complete checkpoint and roll the store back to it."""
+    corrupt: dict[int, list[str]] = {}
+    step, manifest = find_resume_point(store, corrupt)
     files, _ = store.load_checkpoint(step, only=["ledger.json"])
     if "ledger.json" in files:
         next_it = SampleLedger.from_json(files["ledger.json"]).next_iteration
@@ -123,7 +140,7 @@ def prepare_resume(store: RunStore) -> ResumePoint:
     attempt = len(store.read_jsonl("resumes.jsonl")) + 2
     abandoned = rollback(store, step, next_it, version, attempt)
     point = ResumePoint(store.run_id, step, next_it, version, store.checkpoint_dir(step), attempt,
-                        abandoned)
+                        abandoned, corrupt)
     store.append_jsonl("resumes.jsonl", {**point.as_dict(), "at": time.time()})
     return point
 
@@ -141,11 +158,12 @@ def rollback(store: RunStore, step: int, next_iteration: int, version: int,
             src = f"{shard_rel(s)}/{name}"
             store.write_bytes(f"{dest}/{src}", store.read_bytes(src))
         store.delete(shard_rel(s))
-    rows = store.read_jsonl("metrics.jsonl")
+    rows, torn_tail = store.read_jsonl_torn("metrics.jsonl")  # a torn last row: dropped, warned
     keep = [r for r in rows if int(r.get("iteration", -1)) < next_iteration]
     dropped_rows = [r for r in rows if int(r.get("iteration", -1)) >= next_iteration]
     if dropped_rows:
         store.write_jsonl(f"{dest}/metrics.jsonl", dropped_rows)
+    if dropped_rows or torn_tail:  # rewritten whole, so the next append starts on a fresh line
         store.write_jsonl("metrics.jsonl", keep)
     weights = delete_weights_after(store, version)
     return {"torn_checkpoints": torn, "shard_iterations": shard_steps,
@@ -155,9 +173,11 @@ def rollback(store: RunStore, step: int, next_iteration: int, version: int,
 
 def describe(point: ResumePoint) -> str:
     a = point.abandoned
+    skipped = "".join(f"; skipped corrupt checkpoint {s} ({', '.join(bad)})"
+                      for s, bad in sorted(point.corrupt.items(), reverse=True))
     return (f"resuming {point.run_id} from checkpoint {point.step} (policy version "
-            f"{point.version}) at iteration {point.next_iteration}; rolled back "
-            f"{len(a.get('torn_checkpoints', []))} torn checkpoint(s), "
+            f"{point.version}) at iteration {point.next_iteration}{skipped}; rolled back "
+            f"{len(a.get('torn_checkpoints', []))} torn or corrupt checkpoint(s), "
             f"{len(a.get('shard_iterations', []))} shard iteration(s), "
             f"{a.get('metrics_rows', 0)} metrics row(s)")
 
@@ -166,15 +186,18 @@ def dumps(point: ResumePoint) -> str:
     return json.dumps(point.as_dict(), sort_keys=True)
 
 
-def start_run(cfg: RunConfig, overrides: list[str], run_id: str,
-              resume: bool) -> tuple[RunConfig, ResumePoint | None]:
-    """At flow start, before any cluster: check the store (one-line StorageError), then either
-    refuse to reuse a run id that has checkpoints or prepare the resume (ResumeError).
-    Writes the run's requested config (`config.yaml`, the base of a later resume)."""
+def start_run(cfg: RunConfig, overrides: list[str], run_id: str, resume: bool,
+              lock: RunLock | None = None) -> tuple[RunConfig, ResumePoint | None]:
+    """At flow start, before any cluster: check the store (one-line StorageError), take the
+    run's writer `lock` (RunLockedError naming the holder; the caller releases it when the run
+    ends), then either refuse to reuse a run id that has checkpoints or prepare the resume
+    (ResumeError). Writes the run's requested config (`config.yaml`, the base of a resume)."""
     from rollart.config import dump_config
     from rollart.storage.s3 import check_storage
 
     check_storage(cfg.storage)
+    if lock is not None:  # before any file of the run is touched (rollback included)
+        lock.acquire()
     store = RunStore.from_config(cfg.storage, run_id)
     point = None
     if resume:

@@ -9,7 +9,10 @@ Layout under the root (DESIGN.md):
   runs/{run_id}/weights/v{version}/{model.safetensors, manifest.json}
   runs/{run_id}/metrics.jsonl
 A checkpoint without its manifest does not exist: the manifest is written last and lists every
-file with its size and CRC32, so a reader also detects a torn or corrupt upload.
+file with its size and CRC32, so a reader also detects a torn or corrupt upload
+(`corrupt_files`; a resume falls back to the previous checkpoint). Local files are written
+atomically (temporary file, fsync, rename); appends to JSON lines are not, so a torn trailing
+line is ignored with a warning when read.
 
 Every operation goes through `retrying` (rollart/storage/s3.py): transient errors (server down
 or restarting, timeouts, 5xx) are retried with backoff for `retry_timeout_s`.
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +34,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollart.storage.files import atomic_write, crc32, matches_entry, parse_jsonl, want_entry
 from rollart.storage.s3 import StorageError, retrying, storage_options
 from rollart.types import Trajectory, table_to_trajectories, trajectories_to_table
 
@@ -43,6 +47,7 @@ CHUNK = 8 * 2**20  # multipart part size / ranged-read size for large objects
 # window in which an upload is in flight, e.g. to kill the process there).
 SLOW_CHECKPOINT_ENV = "ROLLART_FAULT_SLOW_CHECKPOINT"
 T = TypeVar("T")
+log = logging.getLogger("rollart.storage")
 
 
 def checkpoint_rel(step: int) -> str:
@@ -58,10 +63,6 @@ def shard_rel(step: int) -> str:
 def eval_rel(step: int) -> str:
     """The evaluation results of checkpoint `step`, relative to the run."""
     return f"eval/{step:08d}.json"
-
-
-def crc32(data: bytes) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 class RunStore:
@@ -111,9 +112,8 @@ class RunStore:
         full = self.path(rel)
 
         def put() -> None:
-            if self.local:
-                self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
-                self.fs.pipe_file(full, data)
+            if self.local:  # a crash leaves the old file or the new one, never half of one
+                atomic_write(full, data)
             else:  # concurrent multipart above 2 parts; a retry rewrites the whole object
                 self.fs.pipe_file(full, data, chunksize=CHUNK)
 
@@ -206,9 +206,21 @@ class RunStore:
         self.write_bytes(rel, old + line)
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
+        return self.read_jsonl_torn(rel)[0]
+
+    def read_jsonl_torn(self, rel: str) -> tuple[list[dict[str, Any]], bool]:
+        """(records, whether a torn trailing line was dropped). A writer that died mid-append
+        leaves a partial last line: it is ignored, with a warning; any other bad line raises."""
         if not self.exists(rel):
-            return []
-        return [json.loads(x) for x in self.read_text(rel).splitlines() if x.strip()]
+            return [], False
+        try:
+            rows, torn = parse_jsonl(self.read_text(rel))
+        except ValueError as err:
+            raise StorageError(f"storage: {self.uri(rel)} is corrupt: {err}") from None
+        if torn is not None:
+            log.warning("storage: ignoring a torn last line of %s (an interrupted append): %r",
+                        self.uri(rel), torn[:120])
+        return rows, torn is not None
 
     def write_jsonl(self, rel: str, records: Iterable[dict[str, Any]]) -> None:
         self.write_bytes(rel, "".join(json.dumps(r, sort_keys=True) + "\n"
@@ -341,13 +353,30 @@ class RunStore:
         files: dict[str, bytes] = {}
         for name in names:
             data = raw[f"{rel}/{name}"]
-            entry = manifest["files"][name]
-            want = entry if isinstance(entry, dict) else {"bytes": entry}
-            if len(data) != want["bytes"] or ("crc32" in want and crc32(data) != want["crc32"]):
+            if not matches_entry(data, manifest["files"][name]):
+                want = want_entry(manifest["files"][name])
                 raise StorageError(f"storage: checkpoint {step} file {name} is corrupt or torn "
-                                   f"({len(data)} bytes, manifest says {want['bytes']})")
+                                   f"({len(data)} bytes, manifest says {want['bytes']}, CRC32 "
+                                   f"{want.get('crc32')})")
             files[name] = data
         return files, manifest
+
+    def corrupt_files(self, step: int) -> list[str]:
+        """Files of complete checkpoint `step` whose bytes do not match the manifest's size and
+        CRC32 (bit rot, a partial overwrite, a bad copy); [] when it is intact. Reads them all,
+        one at a time (a checkpoint need not fit in memory twice)."""
+        rel = checkpoint_rel(step)
+        manifest = self.read_manifest(step)
+        bad = []
+        for name, entry in manifest["files"].items():
+            try:
+                data = self.read_bytes(f"{rel}/{name}")
+            except FileNotFoundError:
+                bad.append(name)
+                continue
+            if not matches_entry(data, entry):
+                bad.append(name)
+        return bad
 
     def prune_checkpoints(self, keep_last: int) -> list[int]:
         """Retention: delete all but the newest `keep_last` complete checkpoints (and torn ones

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import pytest
 from botocore.exceptions import ClientError, ReadTimeoutError
@@ -53,22 +54,26 @@ def test_throttles_and_5xx_are_retried_with_backoff():
     c = _client(stub, alias="live")
     assert c.invoke({"sample_id": "s"}) == {"reward": 0.5, "extra": 2, "note": "text"}
     assert c.stats == {"invocations": 4, "throttles": 1, "retries": 3, "function_errors": 0,
-                       "server_errors": 1}
+                       "server_errors": 1, "transport_errors": 1}
     assert stub.calls[0]["Qualifier"] == "live" and stub.calls[0]["FunctionName"] == "fn"
     assert json.loads(stub.calls[0]["Payload"]) == {"sample_id": "s"}
 
 
 def test_backoff_is_jittered_exponential_and_capped():
     c = LambdaRewardClient("fn", client=Scripted(), backoff_base_s=0.1, backoff_max_s=1.0)
-    for attempt, step in [(0, 0.1), (1, 0.2), (2, 0.4), (6, 1.0)]:
+    for attempt, step in [(0, 0.1), (1, 0.2), (2, 0.4), (6, 1.0), (500, 1.0)]:
         waits = {c._backoff(attempt) for _ in range(50)}
         assert all(step / 2 <= w <= step for w in waits) and len(waits) > 1
 
 
-def test_gives_up_after_max_retries_and_4xx_is_not_retried():
-    stub = Scripted(*[_client_error(429, "TooManyRequestsException")] * 3)
-    with pytest.raises(RewardError, match="gave up after 3 attempts.*TooManyRequests"):
-        _client(stub, max_retries=2).invoke({"sample_id": "s9"})
+def test_transient_errors_retried_for_the_time_budget_and_4xx_is_not_retried():
+    # Far more throttles than max_retries: the time budget, not a count, ends the retries.
+    stub = Scripted(*[_client_error(429, "TooManyRequestsException")] * 1000)
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"gave up after \d+ attempts in 0\.[23]s "
+                       r"\(reward.retry_timeout_s=0.2\); last error TooManyRequests"):
+        _client(stub, max_retries=2, retry_timeout_s=0.2).invoke({"sample_id": "s9"})
+    assert 0.2 <= time.monotonic() - t0 < 0.5 and len(stub.calls) > 3
     stub = Scripted(_client_error(400, "InvalidRequestContentException"))
     with pytest.raises(RewardError, match="'fn' for sample s1"):
         _client(stub).invoke({"sample_id": "s1"})
@@ -107,11 +112,13 @@ def test_reward_config_and_factory(monkeypatch):
     client = make_reward_client(cfg.reward)
     assert isinstance(client, LambdaRewardClient) and client.function_name == "my-fn"
     assert client.alias == "live" and make_reward_client(cfg.reward) is client  # cached
+    assert client.retry_timeout_s == 60.0 and client.backoff_max_s == 2.0  # documented defaults
     assert isinstance(make_reward_client(RewardConfig()), LocalRewardClient)
     for bad, msg in [("reward.function=nope", "reward.function 'nope'"),
                      ("reward.on_error=maybe", "reward.on_error"),
                      ("reward.endpoint_url=localhost:9", "reward.endpoint_url"),
-                     ("reward.max_concurrency=0", "reward.max_concurrency")]:
+                     ("reward.max_concurrency=0", "reward.max_concurrency"),
+                     ("reward.retry_timeout_s=0", "reward.retry_timeout_s")]:
         with pytest.raises(ConfigError, match=msg):
             load_config("configs/default.yaml", [bad])
     with pytest.raises(ConfigError, match="reward.function_name 'a/b'"):

@@ -162,3 +162,27 @@ def test_zero_disables_the_consecutive_failure_halt():
     for k in range(50):
         s.on_failed(f"g0/m{k}")
     assert not s.halted and s.consecutive_failures == 50
+
+
+def test_unconsumed_groups_survive_export_and_import_with_new_member_ids():
+    """What a checkpoint carries for an async run (rollart/rollout/snapshot.py)."""
+    import json
+
+    cfg = SchedulerConfig(group_size=2, batch_groups=1, max_staleness=1)
+    s = RolloutScheduler(cfg)
+    starts = s.fill()  # g0, g1 under version 0
+    _finish_group(s, starts, "g0", 2)  # g0 complete; g1 has one member finished
+    s.on_finished("g1/m0")
+    state = json.loads(json.dumps(s.export_state()))  # as stored: JSON
+    assert {g["group_id"]: g["running"] for g in state["groups"]} == {"g0": [], "g1": ["g1/m1"]}
+
+    fresh = RolloutScheduler(cfg)
+    relaunch = fresh.import_state(state)
+    # g1 needs one more finisher: a new id (m2), never the interrupted m1 again.
+    assert [(x.episode_id, x.version) for x in relaunch] == [("g1/m2", 0)]
+    assert fresh.fill() == []  # both groups are back: nothing new starts
+    assert fresh.take_batch(0) == {"g0": ["g0/m0", "g0/m1"]}
+    fresh.on_finished("g1/m2")
+    fresh.on_version(1)
+    assert fresh.take_batch(1) == {"g1": ["g1/m0", "g1/m2"]}
+    assert [x.group_id for x in fresh.fill()] == ["g2", "g2"]  # the plan cursor continued

@@ -1,0 +1,45 @@
+"""Actor calls have deadlines (issue 15, item 1): a hung service fails the call, naming itself."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+
+from rollart.handles import CallTimeoutError, call, call_timeout, set_call_timeout
+
+
+class Sleeper:
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        yield c
+
+
+def test_a_hung_actor_call_times_out_naming_service_and_method(client):
+    actor = client.submit(Sleeper, actor=True).result()
+    assert call(actor, "nap", 0.01) == 0.01  # answered within the default deadline
+    t0 = time.monotonic()
+    with pytest.raises(CallTimeoutError, match=r"Sleeper\.nap did not answer within 0\.3s "
+                       r"\(cluster\.call_timeout_s\)"):
+        call(actor, "nap", 1.0, timeout=0.3)
+    assert time.monotonic() - t0 < 2.0
+    old = call_timeout()
+    set_call_timeout(0.2)  # the process-wide deadline, as the driver and services install it
+    try:
+        with pytest.raises(TimeoutError, match=r"Sleeper\.nap"):
+            call(actor, "nap", 1.0)
+        assert call(actor, "nap", 0.4, timeout=None) == 0.4  # no deadline when asked
+    finally:
+        set_call_timeout(old)
+
+
+def test_plain_objects_are_called_directly():
+    assert call(Sleeper(), "nap", 0.0) == 0.0
