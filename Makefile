@@ -13,7 +13,7 @@ ARGS ?=
 # prefect's fastapi is put back (vLLM's offline engine does not use fastapi).
 VLLM_CPU ?= 1
 
-.PHONY: venv train test test-unit lint bench bench-engines clean down
+.PHONY: venv train test test-unit lint bench bench-engines peer bench-vs-trl clean down
 
 venv: $(STAMP)
 
@@ -51,9 +51,23 @@ bench: venv
 bench-engines: venv
 	$(BIN)/python benchmarks/engines.py
 
+# TRL in a venv of its own (benchmarks/vs_trl.py runs it; nothing of it enters rollart's venv).
+PEER := .venv-peer
+$(PEER)/.installed:
+	test -x $(PEER)/bin/python || $(PY) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install -q torch==2.13.0
+	$(PEER)/bin/python -m pip install -q 'trl==1.16.0' 'transformers<5.20' 'math-verify>=0.7'
+	touch $@
+
+peer: $(PEER)/.installed
+
+bench-vs-trl: venv peer
+	$(BIN)/rollart models fetch smollm2-135m-instruct
+	$(BIN)/python benchmarks/vs_trl.py
+
 down:
 	-test -x $(BIN)/rollart && $(BIN)/rollart down
 	-test -f .rollart/prefect.pid && kill -- -$$(cat .rollart/prefect.pid); rm -f .rollart/prefect.pid
 
 clean: down
-	rm -rf $(VENV) .rollart artifacts
+	rm -rf $(VENV) $(PEER) .rollart artifacts

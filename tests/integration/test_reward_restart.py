@@ -9,6 +9,7 @@ an error that names the function, the sample and the budget.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,17 +19,18 @@ from pathlib import Path
 import pytest
 
 from infra.prefect_server import free_port
-from rollart.rewards.client import LambdaRewardClient, RewardError
+from rollart.rewards.client import LambdaCredentials, LambdaRewardClient, RewardError
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+CREDS = LambdaCredentials.generate()  # the key pair the endpoint verifies and clients sign with
 
 
 def _endpoint(port: int) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "infra.lambda_endpoint", "--port", str(port),
          "--function", "slow=sleep", "--concurrency", "2", "--timeout", "20"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **CREDS.env()})
     assert proc.stdout is not None
     assert "local Lambda endpoint on" in proc.stdout.readline()  # printed once listening
     return proc
@@ -46,7 +48,8 @@ def test_endpoint_restart_costs_latency_not_the_call():
     second = None
     try:
         with LambdaRewardClient("slow", endpoint_url=url, retry_timeout_s=30.0, timeout_s=20.0,
-                                backoff_base_s=0.05, backoff_max_s=1.0) as client:
+                                backoff_base_s=0.05, backoff_max_s=1.0,
+                                credentials=CREDS) as client:
             t0 = time.monotonic()
             # In flight for 3 s: the endpoint goes away under it.
             fut = client.submit_event({"sample_id": "s/0", "cost_s": 3.0, "reward": 0.75})
@@ -54,7 +57,8 @@ def test_endpoint_restart_costs_latency_not_the_call():
             _stop(first)
             assert not fut.done()
             # While it is down, a client with a tiny budget fails, and says why.
-            with LambdaRewardClient("slow", endpoint_url=url, retry_timeout_s=0.5) as brief:
+            with LambdaRewardClient("slow", endpoint_url=url, retry_timeout_s=0.5,
+                                    credentials=CREDS) as brief:
                 t1 = time.monotonic()
                 with pytest.raises(RewardError, match=r"'slow' for sample s/1: gave up after "
                                    r"\d+ attempts .*reward.retry_timeout_s=0.5\).*"

@@ -139,21 +139,21 @@ def test_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
     store = RunStore(str(tmp_path), "rot")
     assert store.list_checkpoints() == [1, 2]
     # Bit rot in checkpoint 2: same size, so only the CRC32 can tell.
-    path = Path(store.path("checkpoints/00000002/optimizer.pt"))
+    path = Path(store.path("checkpoints/00000002/optimizer.safetensors"))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     assert store.list_checkpoints() == [1, 2]  # complete by size: the manifest's sizes match
-    assert store.corrupt_files(2) == ["optimizer.pt"] and store.corrupt_files(1) == []
+    assert store.corrupt_files(2) == ["optimizer.safetensors"] and store.corrupt_files(1) == []
 
     cfg = load_config(CONFIG, [*overrides, "iterations=3"])
     with _storage_warnings() as records:
         out = run_local(cfg, "rot", resume=True)
     assert out["resumed_from"] == 1
     warned = [r.getMessage() for r in records if "is corrupt" in r.getMessage()]
-    assert warned and "checkpoint 2" in warned[0] and "optimizer.pt" in warned[0]
+    assert warned and "checkpoint 2" in warned[0] and "optimizer.safetensors" in warned[0]
     resume = store.read_jsonl("resumes.jsonl")[0]
-    assert resume["corrupt"] == {"2": ["optimizer.pt"]} and resume["step"] == 1
+    assert resume["corrupt"] == {"2": ["optimizer.safetensors"]} and resume["step"] == 1
     assert resume["abandoned"]["torn_checkpoints"] == [2]
     assert store.list_checkpoints() == [1, 2, 3] and store.corrupt_files(2) == []
     _ledger_ok(store, 3, cfg, 3)
