@@ -199,6 +199,9 @@ class TrainConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     threads: int = Field(2, gt=0)  # torch intra-op threads on the trainer worker while updating
+    # A GRPO group's common prompt goes through the model once per micro-batch, its K/V shared
+    # by the members (rollart/train/shared_prefix.py); same loss and gradient, fewer FLOPs.
+    shared_prefix: bool = True
     # Trust-region guard: after the epochs, the mean per-token KL(policy at update start || new)
     # on the batch's model tokens (k3 estimate); above max_kl the step is scaled back along the
     # line from the start (KL ~ quadratic in the step). 0 disables. Adam can take a step of

@@ -26,6 +26,7 @@ from rollart.algo import (
 )
 from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.config import AlgoConfig, TrainConfig
+from rollart.train.shared_prefix import shared_prefix_hidden
 from rollart.train.state_io import load_optimizer, load_rng, optimizer_files, rng_files
 from rollart.types import Trajectory
 
@@ -39,6 +40,7 @@ class Batch:
     behaviour_logprobs: Tensor  # [B, T-1] engine log-probs of the targets (0 where masked)
     advantages: Tensor  # [B]
     allowed: Tensor | None = None  # [B, V] bool: constrained sampling's vocabulary per sequence
+    group_ids: list[str] | None = None  # [B] GRPO group of each row (shared-prefix forward)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -69,7 +71,8 @@ def collate(trajs: list[Trajectory], pad_id: int, vocab_size: int | None = None)
                 allowed[i] = False
                 allowed[i, torch.tensor(x.allowed_token_ids, dtype=torch.long)] = True
     # Position j's logits predict token j+1, so every per-target tensor is shifted by one.
-    return Batch(ids, attn, ids[:, 1:], mask[:, 1:], mu[:, 1:], adv, allowed)
+    return Batch(ids, attn, ids[:, 1:], mask[:, 1:], mu[:, 1:], adv, allowed,
+                 [x.group_id for x in trajs])
 
 
 # Architectures whose logits are exactly `get_output_embeddings()(base_model(...) hidden)` (no
@@ -107,7 +110,12 @@ class Trainer:
         without an attention mask (the causal SDPA kernel, no [B, 1, T, T] mask tensor)."""
         sel = batch.loss_mask > 0  # [B, T-1]
         if type(model).__name__ in _SPLIT_HEAD_MODELS:
-            hidden = model.base_model(input_ids=batch.input_ids).last_hidden_state  # [B, T, H]
+            if self.cfg.shared_prefix and batch.group_ids is not None:  # a group's prompt once
+                hidden = shared_prefix_hidden(model.base_model, batch.input_ids,
+                                              batch.loss_mask, batch.group_ids)  # [B, T, H]
+            else:
+                hidden = model.base_model(input_ids=batch.input_ids).last_hidden_state
+
             logits = model.get_output_embeddings()(hidden[:, :-1][sel])  # [N, V]
         else:  # unknown architectures may post-process logits: use the model's own output
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
