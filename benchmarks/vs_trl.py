@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=3e-5)  # configs/smollm2-arith.yaml
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--eval", type=int, default=64, help="held-out problems (greedy)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -188,6 +188,7 @@ def main() -> None:
 
     from rollart.models.fetch import fetch_model
 
+    commit = _commit()  # what runs (the tree may change while the benchmark runs)
     model_dir = fetch_model("smollm2-135m-instruct")["path"]
     cfg = load_config(CONFIG)
     env = make_env(cfg.tasks[0])
@@ -226,7 +227,7 @@ def main() -> None:
     out = {"benchmark": "vs_trl", "args": vars(a), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
            "model": "SmolLM2-135M-Instruct (float32)", "base_accuracy": base_acc,
-           "held_out": len(held), "commit": _commit(), **summary, "runs": runs}
+           "held_out": len(held), "commit": commit, **summary, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"vs_trl: speedup_vs_trl {summary['speedup_vs_trl']:.2f}x ({summary['best_variant']}"
