@@ -146,7 +146,7 @@ def run_rollart(a: argparse.Namespace, variant: str, work: Path, r: int) -> dict
         return statistics.median(vals) if vals else float("nan")
 
     tokens = sum(m.get("rollout/model_tokens", 0.0) for m in rows)
-    busy = sum(m.get("perf/rollout_s", 0.0) for m in rows)
+    busy = rows[-1].get("perf/engine_busy_s", 0.0)  # cumulative; async overlaps the rollout wait
     return {"framework": "rollart", "variant": variant, "round": r,
             "wall_s": time.perf_counter() - t0, "run_id": run_id,
             "step_s": [m["perf/iteration_s"] for m in rows],

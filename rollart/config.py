@@ -94,8 +94,8 @@ class VLLMEngineConfig(_Strict):
     enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast start, slower decode
     sleep_mode: bool = True  # use vLLM sleep/wake where the platform has it (not on CPU)
     # CPU backend: keep each linear layer's plain weight next to its packed GEMM copy, so a
-    # weight sync is an in-place copy + repack (~0.4 s for SmolLM2-135M) instead of vLLM's
-    # layer-wise reload (0.6-4 s); costs one more copy of the weights in host RAM.
+    # weight sync is an in-place copy + repack instead of vLLM's layer-wise reload
+    # (results/vs_trl.json: sync_s); costs one more copy of the weights in host RAM.
     inplace_weights: bool = True
     extra: dict[str, Any] = {}  # passed to vllm.LLM(...) as is
 

@@ -17,6 +17,7 @@ Tied parameters (embeddings shared with the LM head) are stored once; every name
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -101,10 +102,7 @@ class SharedWeightsWriter:
 
 
 def _view(flat: Tensor, dtype: torch.dtype, shape: list[int], offset: int) -> Tensor:
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return flat[offset:offset + nbytes].view(dtype).view(shape)
 
 

@@ -24,8 +24,8 @@ Contract details, matched to HFEngine (see hf.py):
   qkv / gate_up handled by the model's loader), then the prefix cache is reset (its KV blocks
   were computed with the old weights). On CPU with `inplace_weights` (default), linear layers
   keep their plain weight tensor next to the packed (oneDNN) copy, so an update is the model's
-  own `load_weights` copying into them plus a repack (~0.4 s for SmolLM2-135M on 2 cores,
-  against ~0.6-4 s for the layer-wise reload); it costs one more copy of the weights in RAM.
+  own `load_weights` copying into them plus a repack instead of vLLM's layer-wise reload
+  (results/vs_trl.json: sync_s); it costs one more copy of the weights in RAM.
 - Prefix caching is on by default (a multi-turn episode re-sends its growing conversation).
 - sleep / wake: vLLM's sleep mode (level 1: weights to host memory, KV cache dropped) where the
   platform has it (CUDA, ROCm, XPU) and `engine.vllm.sleep_mode` is on; on CPU a tracked no-op.
