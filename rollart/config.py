@@ -114,6 +114,12 @@ class EngineConfig(_Strict):
     # engines on another host get the tensors through the actor call as before.
     shared_memory_sync: bool = True
 
+    @property
+    def answer_grammar(self) -> bool:
+        """Whether constrained tasks sample under the answer grammar (the HF engine walks it per
+        token; vLLM takes the token bag alone, so its runs keep the bag restriction)."""
+        return self.backend == "hf"
+
 
 class TaskConfig(_Strict):
     """One environment kind and its share of each batch."""
@@ -129,8 +135,10 @@ class TaskConfig(_Strict):
     # without any parsable action (no reward noise from formatting once actions flow).
     format_credit: Literal["graded", "action"] = "graded"
     seeds: Literal["fixed", "random"] = "random"  # reset seeds: one fixed seed or fresh per group
-    # Constrained sampling: the policy may only emit the tokens of the answer format (tags,
-    # action names, end of turn). For tiny models trained from scratch; log-probs stay exact.
+    # Constrained sampling: the policy may only emit the answer format: one of the complete
+    # `<answer>{action}</answer>` completions (HF engine: token by token along their prefix tree)
+    # or, with vLLM, any of their tokens. For tiny models trained from scratch; log-probs stay
+    # exact (the trainer applies the same restriction per position).
     constrained: bool = False
     eval_seed_offset: int = 1_000_000  # evaluation seeds are disjoint from training seeds
     max_new_tokens: int | None = Field(None, gt=0)  # per-turn cap; None: engine.max_new_tokens

@@ -50,7 +50,7 @@ def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
     chat = chat_format(run)
     n = len(engines)
     chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
-    per_task = constrained_params(params, chat, run.cfg.tasks)
+    per_task = constrained_params(params, chat, run.cfg.tasks, run.cfg.engine.answer_grammar)
 
     def on(i: int) -> list[Trajectory]:
         return run_episodes(chunks[i], lambda reqs: call(engines[i], "generate", reqs),
