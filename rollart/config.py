@@ -279,16 +279,10 @@ class EvalConfig(_Strict):
     episodes: int = Field(32, ge=0)
     every: int = Field(10, ge=0)  # 0: only at the end
     # Early stop: end the run (after a checkpoint) once `stop_after` greedy evaluations in a
-    # row reach `stop_at`. None: run all `iterations`.
+    # row reach `stop_at`. None: run all `iterations`. Acts only on periodic evaluations
+    # (episodes > 0 and every > 0), so `--set eval.every=0` also turns it off.
     stop_at: float | None = Field(None, gt=0.0, le=1.0)
     stop_after: int = Field(2, ge=1)
-
-    @model_validator(mode="after")
-    def _stop_needs_evals(self) -> EvalConfig:
-        if self.stop_at is not None and not (self.episodes and self.every):
-            raise ValueError("eval.stop_at needs periodic evaluations: set eval.episodes > 0 "
-                             "and eval.every > 0, or drop eval.stop_at")
-        return self
 
 
 class LoggingConfig(_Strict):
