@@ -312,9 +312,10 @@ class Router:
         seen = [r.log_ratio for r in self._replicas.values() if r.batches]
         g = math.exp(sum(seen) / len(seen)) if seen else 1.0
         b = self.correction_bound
+        lo = 1.0 / b
         self.common_scale = g
         for rep in self._replicas.values():  # an unmeasured replica gets the common part
-            rep.scale = g * (min(max(rep.ratio / g, 1.0 / b), b) if rep.batches else 1.0)
+            rep.scale = g * (min(max(rep.ratio / g, lo), b) if rep.batches else 1.0)
 
     def on_episode_end(self, episode_id: str) -> None:
         self._home.pop(episode_id, None)
