@@ -200,7 +200,7 @@ def _speedups(pol: dict[str, dict]) -> list[float]:
                                   pol["affinity"]["predicted_wall_s_runs"], strict=True)]
 
 
-def validate_affinity(m: dict) -> dict[str, Any]:
+def validate_affinity(m: dict, explain: bool = True) -> dict[str, Any]:
     """Every repeat of the file simulated with its own seed, per policy; errors on the medians
     over the repeats (the benchmark's own statistic), per-repeat errors shown. A policy's wall is
     scored (counted in `scored_error`, hence in validation_max_error) only if the simulated
@@ -252,9 +252,9 @@ def validate_affinity(m: dict) -> dict[str, Any]:
         "predicted_speedup": statistics.median(rsp),
         "speedup_error": _err(statistics.median(rsp), statistics.median(msp))}
     unscored = [k for k, v in pol.items() if not v["scored"]]
-    out["race"] = {k: race(m, k, seeds, pol[k]) for k in unscored}
+    out["race"] = {k: race(m, k, seeds, pol[k]) for k in unscored} if explain else {}
     if unscored:
-        out["not_scored_why"] = "; ".join(_why(k, pol[k], out["race"][k]) for k in unscored) + (
+        out["not_scored_why"] = "; ".join(_why(k, pol[k], out["race"].get(k)) for k in unscored) + (
             f"; median speedup measured {out['measured_speedup']:.3f}x, predicted "
             f"{out['predicted_speedup']:.3f}x ({out['speedup_error']:.1%})")
     return out
@@ -303,7 +303,7 @@ def race(m: dict, policy: str, seeds: list[int], v: dict[str, Any]) -> dict[str,
                                zip(crossed, v["same_decisions_runs"], strict=True)]}
 
 
-def _why(policy: str, v: dict[str, Any], r: dict[str, Any]) -> str:
+def _why(policy: str, v: dict[str, Any], r: dict[str, Any] | None) -> str:
     bad = [i for i, ok in enumerate(v["same_decisions_runs"]) if not ok]
     meas = [v["measured_decisions_runs"][i] for i in bad]
     pred = [v["predicted_decisions_runs"][i] for i in bad]
@@ -311,11 +311,12 @@ def _why(policy: str, v: dict[str, Any], r: dict[str, Any]) -> str:
             f"one (same seed, no host timing noise) {pred}; walls measured "
             f"{v['measured_wall_s_runs']} s (median {v['measured_wall_s']:.3f} s), predicted "
             f"{[round(x, 3) for x in v['predicted_wall_s_runs']]} s (median "
-            f"{v['predicted_wall_s']:.3f} s): {v['error']:.1%}. A race decides the branch: "
-            f"host overhead per batch that flips the simulated decisions "
+            f"{v['predicted_wall_s']:.3f} s): {v['error']:.1%}" + ("" if r is None else
+            f". A race decides the branch: host overhead per batch that flips the simulated "
+            f"decisions "
             f"{_ms(r['flip_overhead_s_runs'])}, measured {_ms(r['measured_overhead_s_runs'])} "
             f"(ms per repeat and replica); crossing it explains the measured branch in "
-            f"{sum(r['explained_runs'])} of {len(r['explained_runs'])} repeats")
+            f"{sum(r['explained_runs'])} of {len(r['explained_runs'])} repeats"))
 
 
 def _ms(runs: list[dict[str, float | None]]) -> list[dict[str, float | None]]:
