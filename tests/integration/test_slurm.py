@@ -81,13 +81,21 @@ def test_three_classes_as_slurm_jobs_and_adaptive_env_pool(slurm, tmp_path):
             time.sleep(0.5)
         assert cluster.class_counts().get("CPU", 0) == 3, slurm.jobs()
         assert sum(1 for j in slurm.jobs() if j["name"] == "rollart-CPU") == 3
+        # A second service on the newest env worker, the first one scale-down would pick.
+        newest = {w["name"]: a for a, w in
+                  client.scheduler_info(n_workers=-1)["workers"].items()}["CPU-2"]
+        late = client.submit(Counter, actor=True, workers=[newest]).result()
         assert sum(client.gather(futs)) == 24 * 1.5
-        # Idle again: back to the minimum, and the worker holding the actor is the one left.
+        # Idle again: the pool shrinks towards the minimum (1) but keeps both workers that hold
+        # a service: CPU-1 goes, CPU-0 and CPU-2 stay.
         deadline = time.monotonic() + 120
-        while cluster.class_counts().get("CPU", 0) > 1 and time.monotonic() < deadline:
+        while cluster.class_counts().get("CPU", 0) > 2 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert cluster.class_counts() == {"H800": 1, "H20": 1, "CPU": 1}
-        assert counter.incr().result() == 2  # the service survived the scale-down
+        time.sleep(4 * cfg.cluster.slurm.adapt.interval_s * cfg.cluster.slurm.adapt.wait_count)
+        names = {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        assert names == {"H800-0", "H20-0", "CPU-0", "CPU-2"}, names
+        assert counter.incr().result() == 2 and late.incr().result() == 1  # both survived
+        assert sum(1 for j in slurm.jobs() if j["name"] == "rollart-CPU") == 2
         # The GPU classes were never touched by the env pool's scaling.
         assert {n for n in cluster.job_ids() if not n.startswith("CPU")} == {"H800-0", "H20-0"}
     # Everything the cluster started is gone from Slurm once it closes.
