@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from cli.k8s import app as k8s_app
 from cli.lambda_cmd import app as lambda_app
 from cli.models import app as models_app
 from cli.stack import app as stack_app
@@ -16,6 +17,7 @@ from rollart.config import ConfigError, check_run_id, load_config
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Agentic RL on disaggregated hardware (Prefect + Dask).")
 app.add_typer(lambda_app, name="lambda")
+app.add_typer(k8s_app, name="k8s")  # rollart k8s render
 app.add_typer(models_app, name="models")  # rollart models fetch NAME
 app.add_typer(stack_app)  # rollart up / down / status / deploy / submit
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import typer
 
+from infra.stack import DEFAULT_POOL as LOCAL_POOL
 from infra.stack import PROJECT_ROOT, Stack
 from rollart.config import ConfigError, check_overrides, check_run_id
 
@@ -145,8 +146,12 @@ def deploy(
     prefect_file: Path = typer.Option(PROJECT_ROOT / "prefect.yaml", "--prefect-file"),
 ) -> None:
     """Register the block types and the stack's block documents, then every deployment of
-    prefect.yaml (`prefect deploy --all`)."""
+    prefect.yaml on the local work pool (`train-k8s` needs the Kubernetes pool: README)."""
     _check_overrides(list(set_))
+    import yaml
+
+    local = [d["name"] for d in yaml.safe_load(prefect_file.read_text())["deployments"]
+             if d["work_pool"]["name"] == LOCAL_POOL]
     api = _api_url(state_dir)
     from blocks.registration import register_local_blocks
 
@@ -160,17 +165,16 @@ def deploy(
                                   lambda_credentials=stack.lambda_credentials() if ours else None)
     typer.echo("blocks: " + ", ".join(f"{k}/{v}" for k, v in saved.items()))
     proc = subprocess.run(
-        [str(Path(sys.executable).with_name("prefect")), "deploy", "--all", "--no-prompt",
-         "--prefect-file", str(prefect_file)],
+        [str(Path(sys.executable).with_name("prefect")), "deploy", "--no-prompt",
+         *[a for name in local for a in ("--name", name)], "--prefect-file", str(prefect_file)],
         cwd=prefect_file.parent, env={**os.environ, "PREFECT_API_URL": api},
         capture_output=True, text=True)
     if proc.returncode != 0:
         typer.echo(proc.stdout[-4000:] + proc.stderr[-4000:], err=True)
         _fail("prefect deploy failed (output above)", 1)
-    import yaml
     from prefect import get_client
 
-    names = {d["name"] for d in yaml.safe_load(prefect_file.read_text())["deployments"]}
+    names = set(local)
     with get_client(sync_client=True) as client:
         deps = [d for d in client.read_deployments() if d.name in names]
         flows = {f.id: f.name for f in client.read_flows()}
