@@ -88,40 +88,11 @@ def namespace_cluster(tmp_path, monkeypatch, env_hosts: list[str],
     assert not net.leftovers(), net.leftovers()
 
 
-def test_training_across_namespace_hosts(prefect_api, tmp_path, monkeypatch):
-    with namespace_cluster(tmp_path, monkeypatch, ["env"]) as (net, sched, s3, where):
-        _train_across(net, sched, s3, where)
-
-
-def _train_across(net, sched, s3, where) -> None:
-    from flows.train import train
-    from rollart.storage.store import RunStore
-
-    # Each worker lives at its host's own address (not loopback, not the test's bridge).
-    assert where == {"H800-0": net.addr("gpu"), "H20-0": net.addr("gpu"),
-                     "CPU-0": net.addr("env")}, where
-    out = train(config="configs/default.yaml", run_id="netns-itest", overrides=[
-        "cluster.manager=address", f"cluster.address={sched}", "iterations=2",
-        "rollout.num_groups=2", "rollout.group_size=4", "eval.episodes=4", "eval.every=0",
-        "storage.save_every=2", "tasks.0.max_turns=3", "reward.backend=local",
-        *s3.overrides("netns"),
-    ])
-    store = RunStore(f"s3://{s3.bucket}/netns", "netns-itest")
-    assert store.latest_checkpoint() == 2
-    assert len(store.read_jsonl("metrics.jsonl")) == 2
-    # Every stage ran on the worker of its class, on that class's host.
-    for stage, (hw, host) in {"collect": ("CPU", "env"), "update": ("H800", "gpu"),
-                              "sync_weights": ("H20", "gpu"), "trainer_service": ("H800", "gpu"),
-                              "engine_service": ("H20", "gpu")}.items():
-        for rec in out["placement"][stage]:
-            assert rec["worker"] == f"{hw}-0" and where[rec["worker"]] == net.addr(host), (
-                stage, rec)
-    assert out["fingerprints"]["engine"] == pytest.approx(out["fingerprints"]["trainer"])
-
-
 def test_a_host_removed_mid_run(prefect_api, tmp_path, monkeypatch):
-    """The second env host drops off the network (link down, then every process on it killed,
-    as a dead machine) after the first iteration; the run finishes on the other env host."""
+    """Scheduler, S3, the GPU classes and two env hosts each in their own network namespace;
+    every stage runs on its class's host. The second env host drops off the network (link
+    down, then every process on it killed, as a dead machine) after the first iteration; the
+    run finishes on the other env host."""
     import s3fs
 
     from flows.train import train
@@ -154,6 +125,19 @@ def test_a_host_removed_mid_run(prefect_api, tmp_path, monkeypatch):
             "tasks.0.max_turns=3", "reward.backend=local", "rollout.env_timeout_s=5",
             "tasks.0.latency={median_s: 0.05}", *s3.overrides("lost")])
         remover.join(timeout=5)
+        # Each worker lives at its host's own address (not loopback, not the test's bridge),
+        # and every stage ran on the worker of its class, on that class's host.
+        assert where == {"H800-0": net.addr("gpu"), "H20-0": net.addr("gpu"),
+                         "CPU-0": net.addr("env"), "CPU-1": net.addr("env2")}, where
+        for stage, (hw, hosts) in {"collect": ("CPU", ("env", "env2")),
+                                   "update": ("H800", ("gpu",)),
+                                   "sync_weights": ("H20", ("gpu",)),
+                                   "trainer_service": ("H800", ("gpu",)),
+                                   "engine_service": ("H20", ("gpu",))}.items():
+            for rec in out["placement"][stage]:
+                assert rec["worker"].startswith(f"{hw}-") and where[rec["worker"]] in [
+                    net.addr(h) for h in hosts], (stage, rec)
+        assert out["fingerprints"]["engine"] == pytest.approx(out["fingerprints"]["trainer"])
         assert removed, "env2 was never removed"
         assert not net.pids("env2")
         rows = [json.loads(line) for line in fs.cat(metrics).decode().splitlines() if line]
