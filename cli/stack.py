@@ -54,7 +54,8 @@ def _print_status(stack: Stack) -> bool:
         if s.name == "prefect-server":
             extra = f"  UI {s.extra.get('ui')}  API {s.extra.get('api')}"
         elif s.name == "dask-scheduler":
-            extra = f"  {s.url}  dashboard {s.extra.get('dashboard')}"
+            extra = (f"  {s.url}  auth {s.extra.get('auth')}  dashboard (read-only, "
+                     f"loopback) {s.extra.get('dashboard')}")
         elif s.name == "prefect-worker":
             extra = f"  pool {s.extra.get('pool')} ({s.extra.get('type')})"
         elif s.name == "lambda":

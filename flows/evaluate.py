@@ -21,6 +21,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
 from flows.artifacts import artifact_key
+from infra import dask_tls
 from infra.dask_cluster import HardwareClassCluster
 from rollart.config import check_run_id, load_config
 from rollart.run import RunSpec
@@ -65,8 +66,10 @@ def evaluate(
         if address is None:
             cluster = stack.enter_context(HardwareClassCluster(
                 workers=cfg.cluster.workers, threads_per_worker=cfg.cluster.threads_per_worker,
-                dashboard=False))
+                dashboard=False, security=dask_tls.embedded(stack, cfg.cluster.tls)))
             address = cluster.scheduler_address
+        else:
+            dask_tls.connect_existing(stack, address)
         logger.info("Evaluating %s checkpoint %d: %d greedy episodes on held-out seeds (Dask %s)",
                     run_id, step, episodes, address)
         metrics = evaluate_on_cluster.with_options(task_runner=task_runner(cfg, address))(

@@ -23,6 +23,7 @@ from prefect.states import Failed
 from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
 from flows.artifacts import RunArtifacts
+from infra import dask_tls
 from infra.dask_cluster import HardwareClassCluster
 from infra.lambda_endpoint import with_embedded_endpoint
 from rollart import progress
@@ -91,10 +92,13 @@ def train(
             cluster = stack.enter_context(HardwareClassCluster(
                 workers=cfg.cluster.workers, threads_per_worker=cfg.cluster.threads_per_worker,
                 dashboard=cfg.cluster.dashboard,
+                security=dask_tls.embedded(stack, cfg.cluster.tls),
             ))
             address = cluster.scheduler_address
             logger.info("Embedded Dask cluster %s, dashboard %s", address, cluster.dashboard_link)
             progress.note(f"Dask dashboard:  {cluster.dashboard_link}")
+        else:
+            dask_tls.connect_existing(stack, address)
         from prefect.runtime import flow_run
 
         progress.note(f"Prefect flow run: {flow_run.ui_url}")

@@ -57,6 +57,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POOL = "rollart-local"
 LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> reward handler
 LAMBDA_CREDENTIALS_NOTE = "<state dir>/lambda-credentials.json"
+DASK_AUTH = "TLS, mutual: a certificate from the stack's CA (<state dir>/dask-tls)"
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
 
 
@@ -138,7 +139,7 @@ class Stack:
     @property
     def scheduler_address(self) -> str | None:
         p = self.ports.get("scheduler")
-        return f"tcp://127.0.0.1:{p}" if p else None
+        return f"tls://127.0.0.1:{p}" if p else None  # TLS, mutual auth (infra/dask_tls.py)
 
     @property
     def dashboard_url(self) -> str | None:
@@ -197,15 +198,10 @@ class Stack:
         return env
 
     def _dask_config_dir(self) -> Path:
-        """Dask config for our worker processes: the nanny must not set MALLOC_TRIM_THRESHOLD_
-        (see infra/dask_cluster.py); a YAML `null` unsets it, which an env var cannot do."""
-        from infra.dask_cluster import WORKER_ENVIRON
+        """Dask config for our scheduler and worker processes (infra/dask_tls.py)."""
+        from infra.dask_tls import stack_dask_config_dir
 
-        d = private_dir(self.state / "dask-config")
-        environ = {k: (None if v is None else str(v)) for k, v in WORKER_ENVIRON.items()}
-        cfg = {"distributed": {"nanny": {"pre-spawn-environ": environ}}}
-        write_private(d / "rollart.yaml", json.dumps(cfg, indent=2))  # JSON is YAML
-        return d
+        return stack_dask_config_dir(self.state)
 
     # ---- up --------------------------------------------------------------------------------
     def up(self, timeout: float = 120.0) -> list[ServiceStatus]:
@@ -244,7 +240,7 @@ class Stack:
         dask_env = {**env, "DASK_CONFIG": str(self._dask_config_dir())}
         if not self.running("dask-scheduler"):
             self._spawn("dask-scheduler", [
-                bin_path("dask"), "scheduler", "--host", "127.0.0.1",
+                bin_path("dask"), "scheduler", "--host", "127.0.0.1", "--protocol", "tls",
                 "--port", str(self.ports["scheduler"]),
                 "--dashboard-address", f"127.0.0.1:{self.ports['dashboard']}",
             ], token="scheduler", env=dask_env)
@@ -256,7 +252,7 @@ class Stack:
             self._spawn(svc, [
                 bin_path("dask"), "worker", self.scheduler_address or "", "--name", name,
                 "--nthreads", "1", "--resources", f"{hw}=1", "--memory-limit", "0",
-                "--host", "127.0.0.1", "--no-dashboard",
+                "--host", "127.0.0.1", "--no-dashboard", "--dashboard-address", "127.0.0.1:0",
                 "--local-directory", str(self.state / "dask-workers"),
             ], token=f"--name {name}", env=dask_env)
 
@@ -358,7 +354,8 @@ class Stack:
         sched_up = self.running("dask-scheduler") and http_ok(
             f"http://127.0.0.1:{self.ports.get('dashboard')}/health")
         out.append(ServiceStatus("dask-scheduler", sched_up, self._pid("dask-scheduler"),
-                                 self.scheduler_address, {"dashboard": self.dashboard_url}))
+                                 self.scheduler_address,
+                                 {"dashboard": self.dashboard_url, "auth": DASK_AUTH}))
         seen = self._workers_seen() if sched_up else {}
         for name in self.worker_names:
             svc = f"dask-{name}"

@@ -56,10 +56,18 @@ def test_stack_up_is_healthy_and_idempotent(stack):
     with urllib.request.urlopen(f"{stack.ui_url}/ui-settings", timeout=10) as r:
         assert json.loads(r.read())["api_url"] == stack.api_url
 
-    # Dask workers of the stack run without the nanny's MALLOC_TRIM_THRESHOLD_.
+    # Dask workers of the stack run without the nanny's MALLOC_TRIM_THRESHOLD_. The scheduler
+    # speaks TLS and wants the stack's certificate (tests/security/test_dask_tls.py).
+    import contextlib
+
     from distributed import Client
 
-    with Client(stack.info["scheduler_address"], timeout=20) as c:
+    from infra.dask_tls import connect_existing
+
+    assert stack.info["scheduler_address"].startswith("tls://")
+    with contextlib.ExitStack() as es:
+        assert connect_existing(es, stack.info["scheduler_address"], stack.state)
+        c = es.enter_context(Client(stack.info["scheduler_address"], timeout=20))
         env = c.run(lambda: __import__("os").environ.get("MALLOC_TRIM_THRESHOLD_", "unset"))
     assert set(env.values()) == {"unset"}, env
 
