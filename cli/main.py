@@ -34,7 +34,7 @@ def _ensure_prefect_api() -> str | None:
 
     typer.echo("Starting the local Prefect server (reused by later runs) ...")
     server = start_server()
-    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ.update(server.client_env())  # URL and basic auth (never printed)
     return server.ui_url
 
 

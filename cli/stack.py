@@ -132,6 +132,13 @@ def _api_url(state_dir: Path | None) -> str:
         api = stack.api_url or ""
         os.environ["PREFECT_API_URL"] = api
         os.environ.setdefault("PREFECT_HOME", str(stack.state / "prefect-home"))
+    stack = Stack(state_dir)
+    if api == stack.api_url and not os.environ.get("PREFECT_API_AUTH_STRING"):
+        from infra.prefect_server import auth_string
+
+        auth = auth_string(stack.state, create=False)  # the stack's server requires it
+        if auth:
+            os.environ["PREFECT_API_AUTH_STRING"] = auth
     return api
 
 

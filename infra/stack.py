@@ -30,7 +30,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.prefect_server import free_port, healthy
+from infra.prefect_server import (
+    auth_string,
+    basic_auth_header,
+    free_port,
+    healthy,
+    locked_job_template,
+)
 from infra.procs import (
     alive,
     bin_path,
@@ -195,7 +201,14 @@ class Stack:
         })
         if self.api_url:
             env["PREFECT_API_URL"] = self.api_url
+        auth = auth_string(self.state, create=False)  # the server's basic auth (prefect_server)
+        if auth:
+            env["PREFECT_API_AUTH_STRING"] = auth
         return env
+
+    def _prefect_json(self, path: str, body: Any = None, method: str | None = None) -> Any:
+        auth = basic_auth_header(auth_string(self.state, create=False))
+        return http_json(f"{self.api_url}{path}", body, headers=auth, method=method)
 
     def _dask_config_dir(self) -> Path:
         """Dask config for our scheduler and worker processes (infra/dask_tls.py)."""
@@ -207,6 +220,7 @@ class Stack:
     def up(self, timeout: float = 120.0) -> list[ServiceStatus]:
         private_dir(self.state)  # first: every secret below is written into it
         creds = self.lambda_credentials(create=True)
+        auth_string(self.state)  # the Prefect server's basic auth, before anything uses it
         assert creds is not None
         for key in ("scheduler", "dashboard", "lambda"):
             if not self._service_up(key):
@@ -288,18 +302,19 @@ class Stack:
                 "AWS_DEFAULT_REGION": h.region}
 
     def _ensure_pool_and_worker(self, env: dict[str, str]) -> None:
-        from prefect.workers.process import ProcessWorker
-
-        api = env["PREFECT_API_URL"]
+        template = locked_job_template()  # no command / env / working_dir from a flow run
         try:
-            http_json(f"{api}/work_pools/{self.pool}")
+            pool = self._prefect_json(f"/work_pools/{self.pool}")
+            if pool.get("base_job_template") != template:  # a stack from before the lock
+                self._prefect_json(f"/work_pools/{self.pool}",
+                                   {"base_job_template": template}, method="PATCH")
         except urllib.error.HTTPError as err:
             if err.code != 404:
                 raise
-            http_json(f"{api}/work_pools/", {
+            self._prefect_json("/work_pools/", {
                 "name": self.pool, "type": "process",
                 "description": "rollart local stack: flow runs as processes on this machine",
-                "base_job_template": ProcessWorker.get_default_base_job_template(),
+                "base_job_template": template,
             })
         if not self.running("prefect-worker"):
             self._spawn("prefect-worker", [
@@ -336,7 +351,7 @@ class Stack:
 
     def _prefect_worker_online(self) -> bool:
         try:
-            rows = http_json(f"{self.api_url}/work_pools/{self.pool}/workers/filter", {})
+            rows = self._prefect_json(f"/work_pools/{self.pool}/workers/filter", {})
         except (OSError, ValueError):
             return False
         return any(w.get("status") == "ONLINE" for w in rows or [])
