@@ -36,6 +36,16 @@ RUNNER = Path(__file__).with_name("sandbox_runner.py")
 MAX_TESTS = 64
 MAX_TIMEOUT_S = 30.0
 OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr a run may write (RLIMIT_FSIZE)
+DISK_LIMIT = 32 << 20  # bytes all files of one run may hold (its tmpfs)
+MAX_FILES = 256  # inodes of that tmpfs
+EXIT_UNCONFINED = 97  # sandbox_runner: the kernel cannot confine the code, nothing ran
+# Operator's choice, never a request's: run where only the audit hook (and rlimits) confine the
+# code, which a determined solution can switch off. Off by default: fail closed.
+ALLOW_WEAK_ENV = "ROLLART_SANDBOX_ALLOW_WEAK"
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot confine untrusted code (the message names the missing layer)."""
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -49,8 +59,11 @@ def extract_code(event: dict[str, Any]) -> str:
 
 
 def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
-              memory_mb: int) -> dict[str, Any]:
-    """One sandboxed run. Returns exit code, bounded stdout/stderr, timed_out, wall seconds."""
+              memory_mb: int, without: tuple[str, ...] = (),
+              preload: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One sandboxed run. Returns exit code, bounded stdout/stderr, timed_out, wall seconds.
+    `without` skips confinement layers and `preload` imports modules before the uid drop
+    (tests only: each layer is shown to be needed)."""
     base = Path(tempfile.mkdtemp(prefix="rollart-code-"))
     try:
         box, io_dir = base / "box", base / "io"
@@ -65,7 +78,10 @@ def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
                 os.chown(p, 65534, 65534)
         (io_dir / "stdin").write_text(stdin, encoding="utf-8")
         limits = {"memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1,
-                  "fsize_bytes": OUTPUT_LIMIT}
+                  "fsize_bytes": OUTPUT_LIMIT, "disk_bytes": DISK_LIMIT,
+                  "max_files": MAX_FILES, "parent": os.getpid(), "without": list(without),
+                  "preload": list(preload),
+                  "allow_weak": os.environ.get(ALLOW_WEAK_ENV) == "1"}
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box),
                "TMPDIR": str(box), "PYTHONHASHSEED": "0"}
         t0 = time.perf_counter()
@@ -80,9 +96,15 @@ def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group, not just the leader
-                proc.wait(timeout=5)
+            finally:  # also on an exception here (the handler being torn down)
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the whole group, not just the leader
+                    proc.wait(timeout=5)
         wall = time.perf_counter() - t0
+        if proc.returncode == EXIT_UNCONFINED:
+            err = (io_dir / "stderr").read_text(errors="replace").strip()
+            raise SandboxUnavailable(err.splitlines()[-1] if err else
+                                     "sandbox: the code could not be confined")
 
         def tail(name: str) -> str:
             data = (io_dir / name).read_bytes()[:OUTPUT_LIMIT]
@@ -115,6 +137,9 @@ def code_exec(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     "budget_s": float = 20 (all runs together; tests past it count as failed)}"""
     code = extract_code(event)
     timeout_s = min(max(float(event.get("timeout_s", 2.0)), 0.1), MAX_TIMEOUT_S)
+    if context is not None and hasattr(context, "get_remaining_time_in_millis"):
+        # never past the Lambda's own deadline (the sandbox also dies with this process)
+        timeout_s = min(timeout_s, max(0.1, context.get_remaining_time_in_millis() / 1000 - 0.5))
     memory_mb = min(max(int(event.get("memory_mb", 256)), 64), 4096)
     budget_end = time.monotonic() + float(event.get("budget_s", 20.0))
     flags = {"timeout": 0.0, "memory_error": 0.0, "sandbox_violation": 0.0,
