@@ -23,12 +23,23 @@ Fail closed: when a layer the kernel must provide is missing (Landlock, the name
 tmpfs, signal scoping or a different uid), nothing runs: exit EXIT_UNCONFINED with a message
 naming what is missing, unless the operator allowed a weaker sandbox (`allow_weak`).
 
-Exit status: that of the code; 0 also requires the completion marker on stdout in asserts mode
-(a guard against `sys.exit(0)` before the tests ran, not against deliberate introspection).
+Modes (`mode` in LIMITS_JSON):
+- "main": run solution.py as a program (stdin -> stdout tests);
+- "serve" / "tests" (asserts mode): the solution and the tests run in two sandboxes joined by
+  two pipes (LIMITS_JSON "fds": read, write). "serve" runs the solution's top level, announces
+  its top-level functions, classes and literal constants, then answers calls: arguments and
+  results cross as `repr` text that the other side reads with `ast.literal_eval`, anything
+  else as an opaque handle. "tests" runs tests.py with proxies of those names; its exit status
+  and the completion marker (read from its stdin, which the solution's process never sees) are
+  the verdict. So a solution cannot read the marker from the tests' frames, cannot hand the
+  tests an object whose `__eq__` is always true (they only ever hold literals or handles), and
+  cannot shadow the tests' builtins.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import ctypes
 import json
 import os
@@ -43,7 +54,7 @@ PR_SET_PDEATHSIG = 1
 PRELOAD = ("math", "cmath", "re", "json", "collections", "itertools", "functools", "heapq",
            "bisect", "string", "random", "fractions", "decimal", "statistics", "typing",
            "dataclasses", "operator", "copy", "array", "datetime", "textwrap", "unicodedata",
-           "io", "time", "struct", "hashlib", "enum", "abc", "numbers", "traceback")
+           "io", "time", "struct", "hashlib", "enum", "abc", "numbers", "traceback", "ast")
 # Landlock constants (include/uapi/linux/landlock.h).
 SYS_CREATE, SYS_ADD_RULE, SYS_RESTRICT = 444, 445, 446
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
@@ -236,16 +247,112 @@ def confine(box: str, lim: dict) -> list[str]:
     return missing
 
 
+def _send(fd: int, msg: dict) -> None:
+    data = (json.dumps(msg) + "\n").encode()
+    while data:  # a pipe may take a large message in parts
+        data = data[os.write(fd, data):]
+
+
+def _lines(fd: int):
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        for raw in iter(f.readline, b""):
+            yield json.loads(raw)
+
+
+MAX_REPR = 1 << 20
+
+
+def _encode(value: object, handles: list) -> dict:
+    try:
+        text = repr(value)
+        if len(text) <= MAX_REPR:
+            ast.literal_eval(text)
+            return {"value": text}
+    except Exception:  # noqa: BLE001 - not a literal: pass a handle
+        pass
+    handles.append(value)
+    return {"handle": len(handles) - 1}
+
+
+def serve(scope: dict, fds: list[int]) -> None:
+    """Answer the tests' calls on the solution's top-level names."""
+    rfd, wfd = fds
+    names = {}
+    for k, v in scope.items():
+        if k.startswith("__") or type(v).__name__ == "module":
+            continue
+        enc = _encode(v, [])
+        names[k] = enc["value"] if "value" in enc else None  # None: callable, via calls
+    _send(wfd, {"names": names})
+    handles: list = []
+
+    def decode(a: dict) -> object:
+        return handles[a["handle"]] if "handle" in a else ast.literal_eval(a["value"])
+
+    for msg in _lines(rfd):
+        try:
+            obj = scope[msg["name"]] if "name" in msg else handles[msg["handle"]]
+            if msg["op"] == "getattr":
+                out = getattr(obj, msg["attr"])
+            else:
+                out = obj(*[decode(a) for a in msg["args"]],
+                          **{k: decode(a) for k, a in msg["kwargs"].items()})
+            _send(wfd, _encode(out, handles))
+        except Exception as err:  # noqa: BLE001 - the solution's error goes to the tests
+            _send(wfd, {"error": type(err).__name__, "message": str(err)[:2000]})
+
+
+def run_tests(tests: str, fds: list[int]) -> None:
+    """tests.py against proxies of the solution's names; only literals come back."""
+    rfd, wfd = fds
+    answers = _lines(rfd)
+    first = next(answers, None)
+    if not first or not isinstance(first.get("names"), dict):
+        sys.exit("sandbox: the solution ended before its functions could be tested")
+
+    def rpc(msg: dict) -> object:
+        _send(wfd, msg)
+        got = next(answers, None)
+        if got is None:
+            raise RuntimeError("the solution's process ended")
+        if "error" in got:
+            exc = getattr(builtins, str(got["error"]), None)
+            if not (isinstance(exc, type) and issubclass(exc, Exception)):
+                exc = RuntimeError
+            raise exc(str(got.get("message", "")))
+        return Remote({"handle": int(got["handle"])}) if "handle" in got else \
+            ast.literal_eval(str(got["value"]))
+
+    def arg(a: object) -> dict:
+        return dict(a._ref) if isinstance(a, Remote) else {"value": repr(a)}
+
+    class Remote:
+        def __init__(self, ref: dict) -> None:
+            object.__setattr__(self, "_ref", ref)
+
+        def __call__(self, *args, **kwargs):
+            return rpc({"op": "call", **self._ref, "args": [arg(a) for a in args],
+                        "kwargs": {k: arg(v) for k, v in kwargs.items()}})
+
+        def __getattr__(self, attr: str):
+            return rpc({"op": "getattr", **self._ref, "attr": attr})
+
+    scope: dict = {"__name__": "__main__", "__builtins__": builtins}
+    for name, value in first["names"].items():
+        if hasattr(builtins, name):  # the solution does not get to redefine `len` for the tests
+            continue
+        scope[name] = Remote({"name": name}) if value is None else ast.literal_eval(value)
+    exec(compile(tests, "tests.py", "exec"), scope)
+
+
 def main() -> None:
     box, lim = sys.argv[1], json.loads(sys.argv[2])
+    mode = lim.get("mode", "main")
     os.chdir(box)
-    with open(os.path.join(box, "solution.py"), encoding="utf-8") as f:
+    name = "tests.py" if mode == "tests" else "solution.py"
+    with open(os.path.join(box, name), encoding="utf-8") as f:
         source = f.read()
-    tests, marker = "", ""
-    if os.path.exists(os.path.join(box, "tests.py")):
-        with open(os.path.join(box, "tests.py"), encoding="utf-8") as f:
-            tests = f.read()
-        marker = sys.stdin.readline().strip()  # the parent's nonce, only in asserts mode
+    marker = sys.stdin.readline().strip() if mode == "tests" else ""
     set_limits(lim)
     missing = confine(box, lim)
     if missing and not lim.get("allow_weak"):
@@ -257,16 +364,19 @@ def main() -> None:
         sys.addaudithook(audit_hook(box))
     for mod in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.")]:
         del sys.modules[mod]  # a re-import needs dlopen, which the hook refuses
-    sys.argv = ["solution.py"]
+    sys.argv = [name]
     sys.path[:] = [p for p in sys.path if p.startswith(tuple(read_roots(box)))]
-    scope = {"__name__": "__main__", "__builtins__": __builtins__}
-    code = compile(source, "solution.py", "exec")
-    source = ""
-    exec(code, scope)
-    if tests:
-        exec(compile(tests, "tests.py", "exec"), scope)
+    if mode == "tests":
+        run_tests(source, lim["fds"])
         sys.stdout.write("\n" + marker + "\n")
         sys.stdout.flush()
+        return
+    scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    code = compile(source, name, "exec")
+    source = ""
+    exec(code, scope)
+    if mode == "serve":
+        serve(scope, lim["fds"])
 
 
 if __name__ == "__main__":

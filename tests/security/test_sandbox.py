@@ -199,3 +199,48 @@ def test_sandbox_dies_on_the_lambda_timeout():
         assert out["reward"] == 0.0 and out["timeout"] == 1.0, out
         time.sleep(1.0)
         assert not set(_sandboxes()) - before
+
+
+CHEATS = {  # name: (solution, tests it must not pass)
+    # the probe: read the pass marker from the runner's frame, print it, exit 0
+    "frame_marker": ("import sys, os\nf = sys._getframe()\nwhile f:\n"
+                     "    if 'marker' in f.f_locals:\n"
+                     "        print(f.f_locals['marker'])\n        sys.stdout.flush()\n"
+                     "        os._exit(0)\n    f = f.f_back\n"
+                     "def f(x):\n    return 0\n", "assert f(3) == 6\n"),
+    "stdin_marker": ("import sys, os\nprint(sys.stdin.read())\nsys.stdout.flush()\n"
+                     "os._exit(0)\n", "assert f(3) == 6\n"),
+    # the probe: an object whose __eq__ is always true
+    "always_equal": ("class Eq:\n    def __eq__(self, other):\n        return True\n"
+                     "    __ne__ = lambda self, other: False\n"
+                     "def f(x):\n    return Eq()\n", "assert f(3) == 6\n"),
+    "shadow_builtin": ("def f(x):\n    return [0]\n"
+                       "def sorted(x):\n    return [1, 2]\n",
+                       "assert sorted(f(3)) == [1, 2]\n"),
+    "early_exit": ("import sys\nsys.exit(0)\ndef f(x): return 6\n", "assert f(3) == 6\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHEATS))
+def test_asserts_mode_cheats_do_not_pass(name):
+    code, tests = CHEATS[name]
+    out = code_exec({"code": code, "test_code": tests})
+    assert out["reward"] == 0.0, (name, out)
+
+
+def test_asserts_mode_still_tests_real_solutions():
+    sol = ("import math\nLIMIT = 10\n"
+           "def f(x):\n    return 2 * x\n"
+           "def pair(a, b=1):\n    return (a, b, [a + b])\n"
+           "def boom():\n    raise ValueError('no')\n"
+           "class Counter:\n    def __init__(self, start):\n        self.n = start\n"
+           "    def add(self, k):\n        self.n += k\n        return self.n\n")
+    tests = ("assert f(3) == 6 and isinstance(f(3), int)\n"
+             "assert pair(1, b=2) == (1, 2, [3]) and LIMIT == 10\n"
+             "try:\n    boom()\n    raise AssertionError('no error')\n"
+             "except ValueError as e:\n    assert str(e) == 'no'\n"
+             "c = Counter(5)\nassert c.add(2) == 7 and c.n == 7\n")
+    out = code_exec({"code": sol, "test_code": tests})
+    assert out["reward"] == 1.0, out
+    wrong = code_exec({"code": sol.replace("2 * x", "2 * x + 1"), "test_code": tests})
+    assert wrong["reward"] == 0.0
