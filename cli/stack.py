@@ -52,7 +52,8 @@ def _print_status(stack: Stack) -> bool:
         mark = typer.style("up  ", fg="green") if s.up else typer.style("down", fg="red")
         extra = ""
         if s.name == "prefect-server":
-            extra = f"  UI {s.extra.get('ui')}  API {s.extra.get('api')}"
+            extra = (f"  UI {s.extra.get('ui')}  API {s.extra.get('api')}  "
+                     f"auth {s.extra.get('auth')}")
         elif s.name == "dask-scheduler":
             extra = (f"  {s.url}  auth {s.extra.get('auth')}  dashboard (read-only, "
                      f"loopback) {s.extra.get('dashboard')}")
@@ -64,7 +65,8 @@ def _print_status(stack: Stack) -> bool:
             res = ",".join(f"{k}={v:g}" for k, v in s.extra.get("resources", {}).items())
             extra = f"  {s.url or ''}  {res}"
         else:
-            extra = f"  {s.url or ''}"
+            auth = s.extra.get("auth")
+            extra = f"  {s.url or ''}" + (f"  auth {auth}" if auth else "")
         if not s.up:
             extra = ""
         pid = f"pid {s.pid}" if s.pid and s.up else ""

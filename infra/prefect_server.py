@@ -65,6 +65,17 @@ def auth_string(state_dir: Path | str, create: bool = True) -> str | None:
     return value
 
 
+def auth_for(api_url: str, state_dir: Path | str = DEFAULT_STATE_DIR) -> str | None:
+    """The auth string of our server in `state_dir` when `api_url` is that server."""
+    try:
+        port = int((Path(state_dir) / "prefect.port").read_text())
+    except (OSError, ValueError):
+        return None
+    if api_url.rstrip("/") != f"http://127.0.0.1:{port}/api":
+        return None
+    return auth_string(state_dir, create=False)
+
+
 def basic_auth_header(auth: str | None) -> dict[str, str]:
     if not auth:
         return {}
@@ -131,10 +142,11 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
         # The UI otherwise calls the default port's API, i.e. another server.
         "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_SERVER_API_AUTH_STRING": auth or "",
         # Only the server's own UI may call it from a browser (the default is `*`).
         "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://127.0.0.1:{port}",
     }
+    if auth:  # always, but for benchmarks/security_overhead.py's baseline (it patches this)
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth
     env.pop("PREFECT_API_URL", None)
     env.pop("PREFECT_API_AUTH_STRING", None)
     log = append_private(state / "prefect-server.log")

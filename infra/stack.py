@@ -64,6 +64,8 @@ DEFAULT_POOL = "rollart-local"
 LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> reward handler
 LAMBDA_CREDENTIALS_NOTE = "<state dir>/lambda-credentials.json"
 DASK_AUTH = "TLS, mutual: a certificate from the stack's CA (<state dir>/dask-tls)"
+PREFECT_AUTH = "HTTP basic, <state dir>/prefect-auth"
+S3_AUTH = "S3 SigV4, key pair in <state dir>/seaweed"
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
 
 
@@ -210,12 +212,6 @@ class Stack:
         auth = basic_auth_header(auth_string(self.state, create=False))
         return http_json(f"{self.api_url}{path}", body, headers=auth, method=method)
 
-    def _dask_config_dir(self) -> Path:
-        """Dask config for our scheduler and worker processes (infra/dask_tls.py)."""
-        from infra.dask_tls import stack_dask_config_dir
-
-        return stack_dask_config_dir(self.state)
-
     # ---- up --------------------------------------------------------------------------------
     def up(self, timeout: float = 120.0) -> list[ServiceStatus]:
         private_dir(self.state)  # first: every secret below is written into it
@@ -251,7 +247,9 @@ class Stack:
         return self.running(name)
 
     def _ensure_dask(self, env: dict[str, str]) -> None:
-        dask_env = {**env, "DASK_CONFIG": str(self._dask_config_dir())}
+        from infra.dask_tls import stack_dask_config_dir  # TLS certificates, nanny environ
+
+        dask_env = {**env, "DASK_CONFIG": str(stack_dask_config_dir(self.state))}
         if not self.running("dask-scheduler"):
             self._spawn("dask-scheduler", [
                 bin_path("dask"), "scheduler", "--host", "127.0.0.1", "--protocol", "tls",
@@ -361,7 +359,7 @@ class Stack:
         api = self.api_url
         up = bool(api) and healthy(api, timeout=2.0)
         out.append(ServiceStatus("prefect-server", up, self._pid("prefect"), self.ui_url,
-                                 {"api": api, "ui": self.ui_url}))
+                                 {"api": api, "ui": self.ui_url, "auth": PREFECT_AUTH}))
         wup = up and self.running("prefect-worker") and self._prefect_worker_online()
         out.append(ServiceStatus("prefect-worker", wup, self._pid("prefect-worker"),
                                  f"{self.ui_url}/work-pools/work-pool/{self.pool}" if up else None,
@@ -385,7 +383,7 @@ class Stack:
         if "s3" in self.services:
             info = self.services["s3"]
             out.append(ServiceStatus("s3", self.running("s3"), self._pid("s3"), info.get("url"),
-                                     {"bucket": info.get("bucket")}))
+                                     {"bucket": info.get("bucket"), "auth": S3_AUTH}))
         return out
 
     def status_json(self) -> dict[str, Any]:
