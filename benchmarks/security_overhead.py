@@ -70,7 +70,7 @@ def summarise(rows: list[dict], wall: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results/security_overhead.json"))
     ap.add_argument("--child", help=argparse.SUPPRESS)

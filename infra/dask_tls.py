@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ from typing import Any
 import dask
 from distributed.security import Security
 
+from infra.dask_cluster import WORKER_ENVIRON
 from infra.state import private_dir, write_private
 
 CA, CERT, KEY = "ca.pem", "cert.pem", "key.pem"
@@ -170,11 +173,7 @@ def flat(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-
-
 def stack_cert_dir(state_dir: Path | str | None = None) -> Path:
-    import os
-
     return Path(state_dir or os.environ.get("ROLLART_STATE_DIR", ".rollart")) / "dask-tls"
 
 
@@ -208,10 +207,6 @@ def stack_dask_config_dir(state: Path) -> Path:
     stack's certificates (made here on first use), and the nanny must not set
     MALLOC_TRIM_THRESHOLD_ (see infra/dask_cluster.py); a YAML `null` unsets it, which an env
     var cannot do."""
-    import json
-
-    from infra.dask_cluster import WORKER_ENVIRON
-
     certs = ensure_certs(stack_cert_dir(state))
     d = private_dir(Path(state) / "dask-config")
     environ = {k: (None if v is None else str(v)) for k, v in WORKER_ENVIRON.items()}

@@ -15,7 +15,8 @@ PID (each process leads its own session, so its children go with it).
 The state directory is private (0700, files 0600, children under umask 077; infra/state.py)
 before any secret is written to it. The Lambda endpoint accepts only requests signed with the
 stack's Lambda key pair (`lambda-credentials.json`), which the Dask workers and the `local`
-rewards block receive; nothing else does.
+rewards block receive; the Prefect API only basic auth with `prefect-auth`; Dask only TLS
+clients with a certificate from the stack's CA (`dask-tls/`, infra/dask_tls.py).
 """
 
 from __future__ import annotations
