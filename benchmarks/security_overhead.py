@@ -1,7 +1,9 @@
 """What the security measures cost an iteration of the embedded default (issue 16: <= 5 %).
 
 Runs the default config (`configs/default.yaml`) through the Prefect flow, as `rollart train`
-does, in two variants interleaved over `--repeats`, each run in a fresh process:
+does, in two variants, each run in a fresh process; the two variants of a repeat run at the
+same time, so both see the same background load (on a shared machine the load drifts by 2x
+within minutes, more than any effect measured here):
 
 - `secured` (what ships): the Prefect server requires basic auth (the flow's client sends it),
   the embedded Dask cluster speaks TLS with mutual authentication (a fresh CA per run), the
@@ -12,7 +14,9 @@ does, in two variants interleaved over `--repeats`, each run in a fresh process:
 Everything else is the same code and config. The code-execution sandbox is not part of the
 default run (its reward is `env_outcome`), so it is not in this figure. The result is the ratio
 of the median steady-state iteration time (the first iteration, with its cluster and TLS
-warm-up, is reported but left out) and of the whole run's wall time.
+warm-up, is reported but left out) and of the whole run's wall time. `update_stage_ratio` (the
+policy update: local torch compute that none of the measures touches) shows how far the two
+runs' conditions differed.
 
     .venv/bin/python benchmarks/security_overhead.py   # -> results/security_overhead.json
 """
@@ -65,13 +69,16 @@ def summarise(rows: list[dict], wall: float) -> dict:
     steady = rows[1:] or rows
     return {"iterations": len(rows), "wall_s": wall,
             "iteration_s_median": statistics.median(r["perf/iteration_s"] for r in steady),
+            "update_s_median": statistics.median(r["perf/stage/update_s"] for r in steady),
+            "orchestration_s_median": statistics.median(r["perf/orchestration_s"]
+                                                        for r in steady),
             "first_iteration_s": rows[0]["perf/iteration_s"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results/security_overhead.json"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
@@ -94,26 +101,31 @@ def main() -> None:
                 "open": {**base, "PREFECT_API_URL": open_.api_url}}
         try:
             for rep in range(a.repeats):
-                for v in VARIANTS:  # interleaved: load drifts affect both alike
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--child", v, "--iterations",
-                         str(a.iterations), "--root", str(Path(tmp) / "store")],
-                        env=envs[v], cwd=ROOT, capture_output=True, text=True, check=False)
-                    if out.returncode != 0:
-                        sys.exit(f"{v} (repeat {rep}) failed:\n{out.stderr[-3000:]}")
-                    res = json.loads(out.stdout.strip().splitlines()[-1])
+                procs = {v: subprocess.Popen(
+                    [sys.executable, __file__, "--child", v, "--iterations", str(a.iterations),
+                     "--root", str(Path(tmp) / "store")],
+                    env=envs[v], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True) for v in VARIANTS}
+                outs = {v: p.communicate() for v, p in procs.items()}
+                for v, p in procs.items():
+                    if p.returncode != 0:
+                        sys.exit(f"{v} (repeat {rep}) failed:\n{outs[v][1][-3000:]}")
+                    res = json.loads(outs[v][0].strip().splitlines()[-1])
                     runs[v].append(summarise(res["rows"], res["wall_s"]))
                     print(f"repeat {rep} {v}: {runs[v][-1]['iteration_s_median']:.2f} s/it, "
+                          f"update {runs[v][-1]['update_s_median']:.2f} s, "
                           f"wall {res['wall_s']:.1f} s", flush=True)
         finally:
             secured.stop()
             open_.stop()
 
-    med = {v: {"iteration_s_median": statistics.median(r["iteration_s_median"] for r in rs),
-               "wall_s_median": statistics.median(r["wall_s"] for r in rs), "runs": rs}
+    med = {v: {k: statistics.median(r[k] for r in rs)
+               for k in ("iteration_s_median", "update_s_median", "orchestration_s_median",
+                         "wall_s")} | {"runs": rs}
            for v, rs in runs.items()}
     ratio = med["secured"]["iteration_s_median"] / med["open"]["iteration_s_median"]
-    wall_ratio = med["secured"]["wall_s_median"] / med["open"]["wall_s_median"]
+    wall_ratio = med["secured"]["wall_s"] / med["open"]["wall_s"]
+    update_ratio = med["secured"]["update_s_median"] / med["open"]["update_s_median"]
     result = {
         "benchmark": "security_overhead",
         "config": "configs/default.yaml",
@@ -121,6 +133,8 @@ def main() -> None:
         "repeats": a.repeats,
         "overhead_ratio": ratio,  # secured / open, median steady-state iteration time
         "wall_ratio": wall_ratio,  # secured / open, median whole-run wall time
+        "update_stage_ratio": update_ratio,  # pure compute: how alike the conditions were
+        "concurrent_pairs": True,
         "target": 1.05,
         "variants": med,
         "measures": ["Prefect API basic auth", "Dask TLS + mutual auth (embedded cluster)",
@@ -131,6 +145,7 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2, sort_keys=True))
     print(f"security_overhead: overhead_ratio={ratio:.3f} wall_ratio={wall_ratio:.3f} "
+          f"update_stage_ratio={update_ratio:.3f} "
           f"(secured {med['secured']['iteration_s_median']:.2f} vs open "
           f"{med['open']['iteration_s_median']:.2f} s/it, median of {a.repeats})")
 
