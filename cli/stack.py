@@ -53,9 +53,11 @@ def _print_status(stack: Stack) -> bool:
         mark = typer.style("up  ", fg="green") if s.up else typer.style("down", fg="red")
         extra = ""
         if s.name == "prefect-server":
-            extra = f"  UI {s.extra.get('ui')}  API {s.extra.get('api')}"
+            extra = (f"  UI {s.extra.get('ui')}  API {s.extra.get('api')}  "
+                     f"auth {s.extra.get('auth')}")
         elif s.name == "dask-scheduler":
-            extra = f"  {s.url}  dashboard {s.extra.get('dashboard')}"
+            extra = (f"  {s.url}  auth {s.extra.get('auth')}  dashboard (read-only, "
+                     f"loopback) {s.extra.get('dashboard')}")
         elif s.name == "prefect-worker":
             extra = f"  pool {s.extra.get('pool')} ({s.extra.get('type')})"
         elif s.name == "lambda":
@@ -64,7 +66,8 @@ def _print_status(stack: Stack) -> bool:
             res = ",".join(f"{k}={v:g}" for k, v in s.extra.get("resources", {}).items())
             extra = f"  {s.url or ''}  {res}"
         else:
-            extra = f"  {s.url or ''}"
+            auth = s.extra.get("auth")
+            extra = f"  {s.url or ''}" + (f"  auth {auth}" if auth else "")
         if not s.up:
             extra = ""
         pid = f"pid {s.pid}" if s.pid and s.up else ""
@@ -132,6 +135,13 @@ def _api_url(state_dir: Path | None) -> str:
         api = stack.api_url or ""
         os.environ["PREFECT_API_URL"] = api
         os.environ.setdefault("PREFECT_HOME", str(stack.state / "prefect-home"))
+    stack = Stack(state_dir)
+    if api == stack.api_url and not os.environ.get("PREFECT_API_AUTH_STRING"):
+        from infra.prefect_server import auth_string
+
+        auth = auth_string(stack.state, create=False)  # the stack's server requires it
+        if auth:
+            os.environ["PREFECT_API_AUTH_STRING"] = auth
     return api
 
 

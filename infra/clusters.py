@@ -27,18 +27,28 @@ class ClusterHandle:
 @contextlib.contextmanager
 def open_cluster(cfg: ClusterConfig, scheduler_address: str | None = None,
                  dashboard: bool | None = None) -> Iterator[ClusterHandle]:
-    """Start (or connect to) the run's cluster; stop what was started on exit, also on error."""
+    """Start (or connect to) the run's cluster; stop what was started on exit, also on error.
+
+    TLS (infra/dask_tls.py): the local cluster gets fresh certificates for this run (unless
+    `cluster.tls` is false); a `tls://` address of the local stack (`rollart up`) uses the
+    stack's certificates. Slurm and Kubernetes clusters use the site's own Dask settings."""
+    from infra import dask_tls
+
     if scheduler_address or cfg.manager == "address":
         address = scheduler_address or cfg.address
         assert address is not None  # config validation: manager "address" needs one
-        yield ClusterHandle(address, None, "address")
+        with contextlib.ExitStack() as stack:
+            dask_tls.connect_existing(stack, address)
+            yield ClusterHandle(address, None, "address")
         return
     show = cfg.dashboard if dashboard is None else dashboard
     if cfg.manager == "local":
         from infra.dask_cluster import HardwareClassCluster
 
-        with HardwareClassCluster(workers=cfg.workers, threads_per_worker=cfg.threads_per_worker,
-                                  dashboard=show) as local:
+        with contextlib.ExitStack() as stack:
+            local = stack.enter_context(HardwareClassCluster(
+                workers=cfg.workers, threads_per_worker=cfg.threads_per_worker,
+                dashboard=show, security=dask_tls.embedded(stack, cfg.tls)))
             yield ClusterHandle(local.scheduler_address, local.dashboard_link if show else None,
                                 "local")
         return

@@ -180,6 +180,9 @@ class ClusterConfig(_Strict):
     stages: dict[str, str] = Field(default_factory=default_stages)
     threads_per_worker: int = Field(1, gt=0)
     dashboard: bool = True
+    # Local cluster: TLS with mutual authentication on every Dask connection (a fresh CA per
+    # run; infra/dask_tls.py). false only to measure what it costs (benchmarks/security_overhead).
+    tls: bool = True
     # Deadline of every call to a service on another worker (actor call: update, sync,
     # checkpoint, generate, env step, ...): past it the call raises CallTimeoutError naming the
     # service and method instead of hanging the run. Generous: a policy update of a large
