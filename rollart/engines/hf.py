@@ -284,6 +284,8 @@ class HFEngine:
             cache = DynamicCache(config=getattr(self.model, "config", None))
             logits = self._forward(input_ids, mask, pos, cache, "prefill")  # [A, V]
             allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1])  # [A, V]
+            # Only answer-grammar rows change their allowed set per step; a bag is sliced.
+            grammar = any(reqs[b].params.allowed_sequences is not None for b in active)
             if allowed is not None:
                 logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
             next_pos = pos[:, -1:] + 1  # [A, 1]
@@ -316,12 +318,15 @@ class HFEngine:
                         cache.batch_select_indices(sel.to(self.device))
                     mask, next_pos, tokens = mask[sel], next_pos[sel], tokens[sel.to(tokens.device)]
                     temperature, top_p = temperature[sel], top_p[sel]
+                    if allowed is not None and not grammar:
+                        allowed = allowed[sel]
                     active = [active[j] for j in keep]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [A, T + step]
                 logits = self._forward(tokens[:, None], mask, next_pos, cache)
-                if allowed is not None:  # grammar rows move along their trie each step
+                if grammar:  # grammar rows move along their trie each step
                     allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1],
                                                  [gen[b] for b in active])
+                if allowed is not None:
                     logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
                 next_pos = next_pos + 1
 
