@@ -48,11 +48,17 @@ from rollart.envs import make_env  # noqa: E402
 
 CONFIG = ROOT / "configs/smollm2-arith.yaml"
 PEER_PY = ROOT / ".venv-peer/bin/python"
+# Asynchronous runs overlap generation of batch k+1 with update k, so the trainer and the
+# engine each get a core of their own (cluster.cpu_cores; rollart/cpu_pinning.py): two
+# 2-thread OpenMP pools on 2 shared cores stall each other (vs_trl.json at 3e18c51, unpinned:
+# async 48.9 s/step vs sync 27.6).
+_OWN_CORES = ['cluster.cpu_cores={"H800": "1", "H20": "0"}', "train.threads=1",
+              "engine.threads=1"]
 VARIANTS = {  # name -> rollart overrides on top of the shared batch settings
     "sync-vllm": ["engine.backend=vllm", "rollout.max_staleness=0"],
-    "async-vllm": ["engine.backend=vllm", "rollout.max_staleness=1"],
+    "async-vllm": ["engine.backend=vllm", "rollout.max_staleness=1", *_OWN_CORES],
     "sync-hf": ["engine.backend=hf", "rollout.max_staleness=0"],
-    "async-hf": ["engine.backend=hf", "rollout.max_staleness=1"],
+    "async-hf": ["engine.backend=hf", "rollout.max_staleness=1", *_OWN_CORES],
 }
 
 

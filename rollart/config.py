@@ -30,6 +30,7 @@ from rollart.config_sections import (
     SlowdownConfig,
     StorageConfig,
 )
+from rollart.cpu_pinning import class_cores
 from rollart.routing.catalog import HardwareClass, default_catalog
 
 __all__ = ["ConfigError", "EmulationConfig", "FaultConfig", "LatencyConfig", "RewardConfig",
@@ -300,6 +301,21 @@ class RunConfig(_Strict):
             merged[name] = {**merged.get(name, {}), **entry, "name": name}
         return merged
 
+    def _threads_fit_cores(self) -> None:
+        """With cluster.cpu_cores, a stage's torch threads must fit its class's cores: two
+        OpenMP threads on one core stall every parallel region (each waits at the barrier for
+        the other's time slice)."""
+        c = self.cluster
+        uses = [("train.threads", self.train.threads, c.stages["trainer"])]
+        uses += [("engine.threads", self.engine.threads, k)
+                 for k in dict.fromkeys(c.engine_classes(self.engine.replicas))]
+        for key, threads, hw_class in uses:
+            cores = class_cores(c.cpu_cores, hw_class)
+            if cores is not None and threads > len(cores):
+                raise ValueError(
+                    f"{key} ({threads}) exceeds the {len(cores)} core(s) cluster.cpu_cores "
+                    f"gives class {hw_class}: set {key} <= {len(cores)}")
+
     @model_validator(mode="after")
     def _affinity(self) -> RunConfig:
         pools = self.cluster.engine_pools
@@ -312,6 +328,7 @@ class RunConfig(_Strict):
                     f"cluster.engine_pools class {c!r} has no entry in hardware: add "
                     f"hardware.{c} with peak_tflops, mem_bw_gbs and memory_gb"
                 )
+        self._threads_fit_cores()
         for c in self.routing.emulation.factors:
             if c not in self.hardware:
                 raise ValueError(f"routing.emulation.factors names class {c!r} that is not in "

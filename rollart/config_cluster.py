@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 
 from rollart.cluster_classes import default_stages, default_workers
 from rollart.config_base import _Strict
+from rollart.cpu_pinning import parse_cpu_list
 
 Manager = Literal["local", "address", "slurm", "kubernetes"]
 
@@ -196,6 +197,10 @@ class ClusterConfig(_Strict):
     # Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy
     # pools; see `routing`). None: `engine.replicas` replicas on `stages.engine` (one pool).
     engine_pools: dict[str, int] | None = None
+    # Local manager: CPU cores per hardware class, Linux cpu-list syntax, e.g.
+    # {H800: "1", H20: "0"}: each class's workers run on their own cores (rollart/cpu_pinning.py).
+    # None: every worker may use every core.
+    cpu_cores: dict[str, str] | None = None
     slurm: SlurmConfig = SlurmConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
 
@@ -206,6 +211,22 @@ class ClusterConfig(_Strict):
         if isinstance(data, dict) and data.get("manager") is None:
             data = {**data, "manager": "address" if data.get("address") else "local"}
         return data
+
+    def _check_cpu_cores(self) -> None:
+        if not self.cpu_cores:
+            return
+        if self.manager != "local":
+            raise ValueError("cluster.cpu_cores pins the workers of the local manager; with "
+                             f"manager {self.manager!r} give cores per class in its own section "
+                             "(e.g. slurm.classes.H800.cores)")
+        for cls_name, spec in self.cpu_cores.items():
+            if cls_name not in self.workers:
+                raise ValueError(f"cluster.cpu_cores names class {cls_name!r}, which has no "
+                                 f"workers (classes: {sorted(self.workers)})")
+            try:
+                parse_cpu_list(spec)
+            except ValueError as err:
+                raise ValueError(f"cluster.cpu_cores.{cls_name}: {err}") from None
 
     def engine_classes(self, replicas: int = 1) -> list[str]:
         """Hardware class of each engine replica, in replica order."""
@@ -226,6 +247,7 @@ class ClusterConfig(_Strict):
                     "{H800: 1, H20: 1} (or null for one pool on stages.engine)"
                 )
         self._check_manager()
+        self._check_cpu_cores()
         if self.manager == "address":
             return self  # the scheduler's workers are checked when the run connects
         if any(n < 1 for n in self.workers.values()):

@@ -56,6 +56,7 @@ class SharedWeightsWriter:
         self._flat: Tensor | None = None  # [nbytes] uint8, MAP_SHARED on `path`
         self._layout: list[list[Any]] = []  # [name, dtype, shape, offset]
         self._keys: tuple[str, ...] = ()
+        self._adopted = False  # parameters of a model live in the file (adopt)
 
     def _plan(self, state: dict[str, Tensor]) -> int:
         layout: list[list[Any]] = []
@@ -73,16 +74,8 @@ class SharedWeightsWriter:
         return offset
 
     def publish(self, version: int, state: dict[str, Tensor]) -> dict[str, Any]:
-        if self._flat is None or tuple(state) != self._keys:
-            nbytes = self._plan(state)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
-            self._flat = torch.from_file(str(self.path), shared=True, size=nbytes,
-                                         dtype=torch.uint8)
+        self._open(state)
+        assert self._flat is not None
         written: set[int] = set()
         unique = 0
         with torch.no_grad():
@@ -91,10 +84,47 @@ class SharedWeightsWriter:
                     continue
                 written.add(offset)
                 t = state[name].detach()
-                _view(self._flat, t.dtype, list(t.shape), offset).copy_(t)
+                dst = _view(self._flat, t.dtype, list(t.shape), offset)
+                if dst.data_ptr() != t.data_ptr():  # an adopted parameter is already there
+                    dst.copy_(t)
                 unique += t.numel() * t.element_size()
         return {"path": str(self.path), "host": host_id(), "version": int(version),
                 "layout": self._layout, "bytes": unique}
+
+    def _open(self, state: dict[str, Tensor]) -> None:
+        if self._flat is not None and tuple(state) == self._keys:
+            return
+        if self._adopted:  # re-creating the file would pull the parameters' memory away
+            raise RuntimeError("the adopted model's state keys changed; make a new writer")
+        nbytes = self._plan(state)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._flat = torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.uint8)
+
+    def adopt(self, model: torch.nn.Module) -> None:
+        """Move `model`'s parameters into the shared file (copied once, then `p.data` is a
+        view of it), so every later `publish` of its state copies nothing: the engines read
+        the trainer's live weights. Same rule as for a copy: readers copy them out during the
+        sync, before the trainer's next optimizer step (the driver runs sync, then update)."""
+        state = model.state_dict(keep_vars=True)  # the Parameter objects themselves
+        self._open(state)
+        assert self._flat is not None
+        where = {name: (offset, shape) for name, _, shape, offset in self._layout}
+        views: dict[int, Tensor] = {}  # offset -> view: tied parameters get the same one
+        with torch.no_grad():
+            for name, p in state.items():
+                if not isinstance(p, torch.nn.Parameter):
+                    continue  # buffers stay where they are (publish copies them)
+                offset, shape = where[name]
+                if offset not in views:
+                    views[offset] = _view(self._flat, p.dtype, shape, offset)
+                    views[offset].copy_(p.detach())
+                p.data = views[offset]
+        self._adopted = True
 
     def close(self) -> None:
         self._flat = None
@@ -108,11 +138,21 @@ def _view(flat: Tensor, dtype: torch.dtype, shape: list[int], offset: int) -> Te
 
 def read_shared(desc: dict[str, Any]) -> dict[str, Tensor] | None:
     """{name: tensor view of the shared file} or None when this process cannot map it (another
-    host, the file gone): the caller then falls back to sending the tensors."""
+    host, the file gone): the caller then falls back to sending the tensors. The mapping is
+    kept for the next sync (the writer rewrites the same file in place): mapping it afresh
+    costs a page fault per 4 kB page on every sync."""
     path = Path(desc["path"])
     if desc.get("host") != host_id() or not path.is_file():
         return None
-    size = path.stat().st_size
-    flat = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size)
+    flat = _MAPPED.get(key)
+    if flat is None:
+        _MAPPED.clear()  # one writer per engine: the previous file is gone or replaced
+        flat = _MAPPED[key] = torch.from_file(str(path), shared=True, size=st.st_size,
+                                              dtype=torch.uint8)
     return {name: _view(flat, getattr(torch, dtype), shape, offset)
             for name, dtype, shape, offset in desc["layout"]}
+
+
+_MAPPED: dict[tuple[str, int, int], Tensor] = {}  # the reader's kept mapping (read_shared)

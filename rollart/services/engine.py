@@ -15,6 +15,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from rollart.cpu_pinning import pin_to_class
 from rollart.engines import make_engine
 from rollart.engines.shared_weights import read_shared
 from rollart.handles import set_call_timeout, worker_identity
@@ -43,6 +44,7 @@ class EngineService:
         # Hardware class of this replica (cluster.engine_pools); emulated slowdowns only when
         # routing.emulation.enabled (benchmarks: every pool is the same CPU here; HF engine).
         self.hw_class = cfg.cluster.engine_classes(cfg.engine.replicas)[replica]
+        pin_to_class(cfg.cluster.cpu_cores, self.hw_class)  # before vLLM binds its threads
         slow = emulation_factors(cfg).get(self.hw_class)
         self.engine = make_engine(cfg, model, tok, seed=cfg.seed * 1000 + replica,
                                   weight_version=-1,

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rollart.cpu_pinning import pin_to_class
 from rollart.engines.shared_weights import SharedWeightsWriter, shm_dir
 from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.run_model import build_model, param_checksum
@@ -25,6 +26,7 @@ class TrainerService:
     def __init__(self, run: RunSpec) -> None:
         self.cfg = cfg = run.cfg
         set_call_timeout(cfg.cluster.call_timeout_s)  # calls made from this worker
+        pin_to_class(cfg.cluster.cpu_cores, cfg.cluster.stages["trainer"])
         torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.seed)
         self.store = run.store()
@@ -61,6 +63,8 @@ class TrainerService:
             path = shm_dir() / f"rollart-{self._run_id}-{os.getpid()}.weights"
             self._shared = SharedWeightsWriter(path)
             weakref.finalize(self, self._shared.close)  # the file holds RAM until removed
+            # The parameters move into the file: publishing then copies nothing.
+            self._shared.adopt(self.trainer.model)
         return self._shared.publish(self.trainer.version, self.trainer.model.state_dict())
 
     def shared_memory_sync(self) -> bool:

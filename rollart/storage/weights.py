@@ -27,12 +27,19 @@ def _rel(version: int) -> str:
     return f"weights/v{version}"
 
 
+def tie_key(v: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """Same key for tied tensors (one tensor under two names). Not the storage pointer:
+    distinct parameters may be views of one storage (the trainer's parameters adopted into
+    the shared-memory weights file, rollart/engines/shared_weights.py)."""
+    return v.data_ptr(), v.numel(), v.dtype
+
+
 def serialize_weights(state: dict[str, torch.Tensor]) -> bytes:
-    """safetensors bytes; tied tensors (shared storage) are stored once, under the first key."""
-    seen: set[int] = set()
+    """safetensors bytes; tied tensors are stored once, under the first key."""
+    seen: set[tuple[int, int, torch.dtype]] = set()
     out: dict[str, torch.Tensor] = {}
     for k, v in state.items():
-        ptr = v.untyped_storage().data_ptr()
+        ptr = tie_key(v)
         if ptr in seen:
             continue
         seen.add(ptr)
@@ -110,11 +117,11 @@ def delete_weights_after(store: RunStore, version: int) -> list[int]:
 def retie(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Tied parameters are stored once: alias each missing key to its tied twin in `model`."""
     own = model.state_dict()
-    by_ptr = {v.untyped_storage().data_ptr(): k for k, v in own.items() if k in state}
+    by_ptr = {tie_key(v): k for k, v in own.items() if k in state}
     out = dict(state)
     for k, v in own.items():
         if k not in out:
-            twin = by_ptr.get(v.untyped_storage().data_ptr())
+            twin = by_ptr.get(tie_key(v))
             if twin is not None:
                 out[k] = out[twin]
     return out

@@ -27,6 +27,7 @@ from rollart.algo import (
 from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.answer_trie import answer_trie
 from rollart.config import AlgoConfig, TrainConfig
+from rollart.storage.weights import tie_key
 from rollart.train.shared_prefix import shared_prefix_hidden
 from rollart.train.state_io import load_optimizer, load_rng, optimizer_files, rng_files
 from rollart.types import Trajectory
@@ -120,8 +121,10 @@ class Trainer:
         self.loss_params = select_loss_params(algo.loss, algo.model_dump())
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_id = pad_id
+        # fused: one kernel over all parameters (~7x faster than the per-tensor loop on CPU:
+        # 0.09 vs 0.63 s per step for SmolLM2-135M on one core); same update rule.
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=train.lr, weight_decay=train.weight_decay
+            model.parameters(), lr=train.lr, weight_decay=train.weight_decay, fused=True
         )
         self.ref_model = None
         if algo.kl_coef > 0:
@@ -321,10 +324,10 @@ class Trainer:
 
 def _untie(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """safetensors refuses shared storage (tied embeddings): store each tensor once, cloned."""
-    seen: dict[int, str] = {}
+    seen: dict[tuple[int, int, torch.dtype], str] = {}
     out = {}
     for k, v in state.items():
-        ptr = v.untyped_storage().data_ptr()
+        ptr = tie_key(v)  # not the storage: adopted parameters share one (shared_weights)
         if ptr in seen:
             continue  # tied weight: reloaded through the tie with strict=False
         seen[ptr] = k

@@ -3,10 +3,12 @@ and a clean refusal where the file cannot be mapped (another host)."""
 
 from __future__ import annotations
 
+import safetensors.torch
 import torch
 
 from rollart.engines.shared_weights import SharedWeightsWriter, host_id, read_shared
 from rollart.stages import _push_weights
+from rollart.storage.weights import serialize_weights
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -42,6 +44,38 @@ def test_republish_rewrites_the_same_file_in_place(tmp_path):
     w.close()
     assert not (tmp_path / "w.bin").exists()
     assert read_shared(desc) is None  # file gone: the caller sends tensors instead
+
+
+def test_adopted_parameters_live_in_the_file_and_publish_copies_nothing(tmp_path):
+    """After adopt, a trained step is visible to a reader without a copy; tied parameters stay
+    tied; gradients and the optimizer keep working on the moved parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(7, 5), torch.nn.Linear(5, 7))
+    model[1].weight = model[0].weight  # tied, like an LM head
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    w = SharedWeightsWriter(tmp_path / "w.bin")
+    w.adopt(model)
+    assert model[1].weight is model[0].weight
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])  # same values, new home
+    reader = read_shared(w.publish(1, model.state_dict()))
+    assert reader is not None
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before["0.weight"])
+    # the reader's views of the file see the step: the parameters are the file
+    assert torch.equal(reader["0.weight"], model[0].weight.detach())
+    assert torch.equal(reader["1.weight"], model[0].weight.detach())
+    desc = w.publish(2, model.state_dict())  # nothing to copy; the descriptor as before
+    assert desc["bytes"] == (7 * 5 + 7) * 4 and desc["version"] == 2
+    again = read_shared(desc)
+    assert again is not None and torch.equal(again["0.weight"], model[0].weight.detach())
+    # Every parameter now shares the file's storage: ties are told apart by data pointer, so a
+    # checkpoint still holds each distinct tensor (a storage-pointer test kept only one).
+    saved = safetensors.torch.load(serialize_weights(model.state_dict()))
+    assert sorted(saved) == ["0.weight", "1.bias"]
+    assert torch.equal(saved["1.bias"], model[1].bias.detach())
 
 
 def test_another_host_gets_none(tmp_path):
