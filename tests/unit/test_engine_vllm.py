@@ -12,7 +12,7 @@ import torch
 
 from rollart.config import AlgoConfig, TinyModelConfig, TrainConfig, config_from_dict
 from rollart.engines import HFEngine, InferenceEngine, make_engine
-from rollart.engines.vllm_engine import vllm_available
+from rollart.engines.vllm_engine import _plain_linear, vllm_available
 from rollart.models import ChatFormat, build_tiny_model, build_tokenizer
 from rollart.train.trainer import Trainer
 from rollart.types import GenerationRequest, SamplingParams, Trajectory
@@ -104,6 +104,14 @@ def test_logprobs_match_trainer_and_update_changes_output(engine, tok):
     hf = HFEngine(trainer.model, tok, seed=0)
     assert [c.token_ids for c in hf.generate(greedy)] == [c.token_ids for c in after]
     assert engine.stats()["weight_updates"] >= 2
+    # The packed GEMMs were rebuilt in the background: every layer is back on its packed copy
+    # (not F.linear), and it serves the same policy.
+    engine._repacker.wait()
+    assert engine._repacker.error is None
+    gemms = engine.llm.apply_model(
+        lambda m: [x.cpu_linear for x in m.modules() if hasattr(x, "cpu_linear")])[0]
+    assert gemms and not any(f is _plain_linear for f in gemms)
+    assert [c.token_ids for c in engine.generate(greedy)] == [c.token_ids for c in after]
 
 
 def test_finishing_rules_and_abort(engine, tok):
