@@ -10,6 +10,7 @@ caller's thread: nothing crosses a worker, so there is nothing to time out.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_CALL_TIMEOUT_S = 600.0  # = ClusterConfig.call_timeout_s's default
@@ -51,6 +52,39 @@ def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "de
         raise CallTimeoutError(
             f"{service_name(handle)}.{method} did not answer within {limit:g}s "
             "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
+
+
+@dataclass(frozen=True)
+class ActorRef:
+    """A Dask actor handle by class, worker address and key, without the actor's task as a
+    dependency: a Dask task whose arguments hold an `Actor` depends on the actor's key, so the
+    loss of that actor's worker cancels the task ("Worker holding Actor was lost") even when the
+    task could go on without it (a sync that skips a lost engine replica)."""
+
+    cls: type
+    address: str
+    key: str
+
+
+def detach(value: Any) -> Any:
+    """`value` with every Actor (also inside lists and tuples) replaced by its ActorRef."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(detach(v) for v in value)
+    cls = getattr(value, "_cls", None)
+    if cls is not None and hasattr(value, "_address") and hasattr(value, "key"):
+        return ActorRef(cls, value._address, value.key)
+    return value
+
+
+def attach(value: Any) -> Any:
+    """The inverse of `detach`, where the value is used (on a worker)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(attach(v) for v in value)
+    if isinstance(value, ActorRef):
+        from distributed.actor import Actor
+
+        return Actor(value.cls, value.address, value.key)
+    return value
 
 
 def worker_identity() -> dict[str, Any]:

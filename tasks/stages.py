@@ -10,6 +10,7 @@ route): `PrefectStages` annotates each stage with the class `cluster.stages` map
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from prefect.cache_policies import NONE
 from rollart import stages
 from rollart.config import RunConfig
 from rollart.driver import STAGE_ROLE
+from rollart.handles import detach
 from rollart.spans import info_of
 
 _opts = {"cache_policy": NONE, "persist_result": False}
@@ -52,8 +54,11 @@ def on_class_worker(stage: str, resource: str, args: tuple[Any, ...]) -> StageOu
     from distributed import get_client
 
     client = get_client()
-    args = tuple(a.future if isinstance(a, StageOutput) else a for a in args)
-    fut = client.submit(getattr(stages, stage), *args, resources={resource: 1}, pure=False)
+    # Actors go as references: a stage must not depend on the actors' tasks (a lost engine
+    # replica would cancel the sync that skips it); futures of earlier stages stay futures.
+    args = tuple(a.future if isinstance(a, StageOutput) else detach(a) for a in args)
+    fut = client.submit(stages.run_stage, stage, *args, resources={resource: 1}, pure=False,
+                        key=f"{stage}-{uuid.uuid4()}")
     if stage in _BULKY:  # only the info dict comes back to the flow (a tiny task next to it)
         info = client.submit(info_of, fut, resources={resource: 1}, pure=False).result()
     else:  # the value is its info dict: one round trip

@@ -66,6 +66,7 @@ class RolloutService:
         r = cfg.rollout
         self.cfg, self.chat, self.reward, self.params = cfg, chat, reward_client, params
         self.hosts, self.hosts_alive = hosts, [True] * len(hosts)
+        self.host_events: list[dict[str, Any]] = []
         self.max_context = max_context
         self.tasks = {t.name: t for t in cfg.tasks}
         self.sched = RolloutScheduler(
@@ -371,6 +372,7 @@ class RolloutService:
                 return
             self.hosts_alive[index] = False
             self.totals.counters["hosts_lost"] += 1
+            self.host_events.append({"host": index, "event": "lost", "t": time.time()})
             self.recent_errors.append(f"env host {index} lost")
             stranded = [x for x in self.live.values() if x.host == index]
         for live in stranded:
@@ -416,4 +418,5 @@ class RolloutService:
                     "engine_busy_s": [b.busy_s for b in self.batchers],
                     "engine_calls": [b.calls for b in self.batchers],
                     "hosts_alive": list(self.hosts_alive),
+                    "host_events": list(self.host_events),
                     "recent_errors": list(self.recent_errors)}
