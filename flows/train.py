@@ -140,7 +140,7 @@ def iterations(run: RunSpec, address: str, resume_step: int | None = None) -> di
 
         driver, curve, done, restarts = run_with_restarts(
             make_driver, RunSpec(cfg, run_id).store(), cfg.cluster.max_restarts, resume_step,
-            report, restarted)
+            report, restarted, probe_timeout_s=cfg.cluster.call_timeout_s)
         if driver.restored is not None:
             logger.info("Restored checkpoint: policy version %d, ledger %s",
                         driver.restored["version"], driver.restored["ledger"])

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from rollart import stages
 from rollart.config import RunConfig
-from rollart.handles import call, set_call_timeout
+from rollart.handles import call, release, set_call_timeout
 from rollart.metric_sinks import make_sinks
 from rollart.recovery import EngineSupervisor
 from rollart.run import RunSpec
@@ -299,6 +299,13 @@ class IterationDriver:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+    def release(self) -> None:
+        """After `abort`, before the services are created again: let the cluster forget these."""
+        if self.svc is not None:
+            sv = self.svc
+            for handle in [sv.trainer, sv.rollout, *sv.engines, *sv.hosts]:
+                release(handle)
 
     def abort(self) -> None:
         """After a failure: stop the rollout service's episodes (best effort)."""

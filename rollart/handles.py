@@ -87,6 +87,19 @@ def attach(value: Any) -> Any:
     return value
 
 
+def release(handle: Any) -> None:
+    """Let Dask forget an actor this process created (best effort; plain objects: nothing).
+    While a client holds an actor's future, the scheduler re-runs the actor's creation on
+    another worker when the actor's worker dies: a second, unused service. A lost service
+    that has been replaced, or the old services of a restarted run, are released instead."""
+    fut = getattr(handle, "_future", None)
+    if fut is not None and callable(getattr(fut, "release", None)):
+        try:
+            fut.release()
+        except Exception:  # its client may be closing: nothing left to release
+            pass
+
+
 def worker_identity() -> dict[str, Any]:
     """Name and resources of the Dask worker running the caller (empty outside a worker)."""
     try:

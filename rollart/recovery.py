@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rollart.handles import call
+from rollart.handles import call, release
 from rollart.rollout.failover import is_replica_loss
 
 log = logging.getLogger("rollart")
@@ -111,6 +111,8 @@ class EngineSupervisor:
                 return False  # no free worker of its class yet
         self.push(self.trainer, [engine])
         call(self.rollout, "replace_engine", index, self.factory.engine_ref(engine))
+        if engine is not old:
+            release(old)
         with self.lock:
             self.engines[index] = engine
             self.lost.discard(index)
@@ -124,7 +126,9 @@ class EngineSupervisor:
 
 def lost_service(driver: Any, probe_timeout_s: float = 10.0) -> str | None:
     """After a failure: which stateful service no longer answers ("trainer", "rollout
-    service"), or None (they answer: the failure was something else, not retried here)."""
+    service"), or None (they answer: the failure was something else, not retried here). A
+    service still busy with the call that timed out answers only after it (an actor runs one
+    call at a time), so the probe waits as long as a call may take."""
     svc = driver.svc
     if svc is None:
         return None
@@ -143,6 +147,7 @@ def run_with_restarts(make_driver: Callable[[int], Any], store: Any, max_restart
                       resume_step: int | None,
                       on_iteration: Callable[[Any], None] | None = None,
                       on_restart: Callable[[dict[str, Any]], None] | None = None,
+                      probe_timeout_s: float = 10.0,
                       ) -> tuple[Any, list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
     """Run the driver `make_driver(attempt)` builds to the end. When the trainer or the
     rollout service is lost (its worker died or hung past the call deadline), every service
@@ -163,10 +168,11 @@ def run_with_restarts(make_driver: Callable[[int], Any], store: Any, max_restart
             return driver, curve, driver.finish(), restarts
         except Exception as err:
             t_fail = time.time()
-            lost = lost_service(driver)
+            lost = lost_service(driver, probe_timeout_s)
             driver.abort()
             if lost is None:
                 raise
+            driver.release()
             if attempt >= max_restarts:
                 raise RuntimeError(f"the {lost} was lost again after {attempt} restart(s) "
                                    f"(cluster.max_restarts={max_restarts}): {err}") from err

@@ -46,6 +46,9 @@ class _Driver:
     def abort(self):
         self.aborted = True
 
+    def release(self):
+        self.released = True
+
 
 def test_lost_service_names_the_one_that_does_not_answer():
     assert lost_service(_Driver(None)) is None
