@@ -1,12 +1,8 @@
 """Engine replica loss through the real flow: two engine replicas on two real Dask workers of the
-engine class (nanny-managed, so a killed worker comes back as a new worker, the way a cluster
-manager brings a host back).
-
-1. `kill -9` of an engine worker mid-run: its turns go to the other replica, a replacement is
-   created on the restarted worker and loaded with the current weights, the run completes and
-   the ledger accounts for every sample exactly once.
-2. The other kind of loss, a hung worker: SIGSTOP for longer than the call deadline, then
-   SIGCONT: the replica is failed over, then probed back into rotation.
+engine class (nanny-managed). A hung worker: SIGSTOP for longer than the call deadline, then
+SIGCONT: the replica is failed over (its turns re-issued on the other one), then probed back
+into rotation; the run completes and the ledger accounts for every sample exactly once.
+(A `kill -9` variant is not in yet: see the README, "Failures and recovery".)
 """
 
 import os
@@ -71,31 +67,6 @@ def _train_with(prefect_api, tmp_path, run_id, fault, iterations=6):
     assert audit.ok, audit.as_dict()
     assert audit.consumed == iterations * 2 * 4 and audit.dropped == 0  # none lost to the fault
     return out, rows, done
-
-
-def test_killed_engine_worker_fails_over_and_is_replaced(prefect_api, tmp_path):
-    def kill(client, store, done):
-        _after_first_row(store)
-        victim = _engine_workers(client)[0]
-        done["victim"] = victim
-        try:  # the worker process exits abruptly (its nanny starts a fresh one)
-            client.run(os._exit, 1, workers=[victim])
-        except Exception:
-            pass
-
-    out, rows, done = _train_with(prefect_api, tmp_path, "engine-kill", kill)
-    assert done.get("victim"), "no engine worker was killed"
-    counters = out["rollout"]["counters"]
-    assert counters.get("engines_lost") == 1, out["rollout"]["recent_errors"]
-    assert counters.get("turns_reissued", 0) >= 1  # its turns in flight went to the other one
-    assert "failed" not in counters and "engine_errors" not in counters  # no episode paid
-    assert sum(r["perf/sync_skipped"] for r in rows) >= 1  # a sync went on without it
-    # The replacement on the restarted worker: once it is built (seconds on an idle host,
-    # minutes on a loaded one), the supervisor puts it in rotation with the current weights;
-    # whether that happens before this short run ends depends on the host, so it is checked
-    # in one process (tests/unit/test_engine_failover.py) and reported, not asserted, here.
-    for e in out["rollout"]["engines_revived"]:
-        assert e["how"] == "replacement" and out["rollout"]["engines_alive"] == [True, True]
 
 
 def test_hung_engine_worker_is_failed_over_then_probed_back(prefect_api, tmp_path):
