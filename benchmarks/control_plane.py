@@ -98,7 +98,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="rollart-cp-") as tmp:
         server = start_server(state_dir=Path(tmp) / "prefect", port=free_port())
-        env = {**os.environ, "PREFECT_API_URL": server.api_url}
+        env = {**os.environ, **server.client_env()}
         try:
             for rep in range(a.repeats):
                 for v in variants:  # interleaved: load drifts affect every variant alike

@@ -19,7 +19,8 @@ class DaskCluster(Block):
     _block_type_slug: ClassVar[str] = "rollart-dask-cluster"
     _description: ClassVar[str] = "Dask scheduler and hardware-class map for rollart stages."
 
-    scheduler_address: str | None = Field(None, description="tcp://host:8786; None: embedded")
+    scheduler_address: str | None = Field(
+        None, description="tls:// or tcp://host:8786; None: embedded")
     dashboard_url: str | None = Field(None, description="Dask dashboard, for people")
     workers: dict[str, int] = Field(
         default_factory=default_workers,

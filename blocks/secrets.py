@@ -1,5 +1,9 @@
 """Prefect Secret blocks as the source of S3 credentials (`storage.credentials_block`).
 
+The name may also be a prefect-aws `AwsCredentials` block (type slug `aws-credentials`), the
+block Prefect users already keep their AWS keys in; it is read through the API as a block
+document, so prefect-aws need not be installed here. A Secret of that name wins.
+
 The core library reads secrets only through a resolver installed explicitly in each process
 that opens the store (`rollart.storage.s3.install_credentials_resolver`): the flows call
 `install_credentials_resolver()` in the flow process and register `CredentialsResolverPlugin`
@@ -15,15 +19,39 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from rollart.storage import s3
 
 
+def _aws_credentials_block(name: str) -> dict[str, Any] | None:
+    """The key fields of the `aws-credentials` block document `name`, or None."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            doc = client.read_block_document_by_name(name, "aws-credentials",
+                                                     include_secrets=True)
+    except (ObjectNotFound, ValueError):
+        return None
+    data = doc.data
+    return {k: _plain(data.get(k)) for k in ("aws_access_key_id", "aws_secret_access_key",
+                                             "aws_session_token")}
+
+
+def _plain(value: Any) -> Any:
+    return value.get_secret_value() if hasattr(value, "get_secret_value") else value
+
+
 def load_secret_value(name: str) -> Any:
     from prefect.blocks.system import Secret
 
     try:
         return Secret.load(name, _sync=True).get()  # type: ignore[call-arg]
     except ValueError as err:
+        creds = _aws_credentials_block(name)
+        if creds is not None:
+            return creds
         raise s3.StorageError(
-            f"storage: Prefect Secret block {name!r} not found (create it with "
-            "`Secret(value={'aws_access_key_id': ..., 'aws_secret_access_key': ...}).save(...)`)"
+            f"storage: no Prefect Secret or AwsCredentials block {name!r} (create one with "
+            "`Secret(value={'aws_access_key_id': ..., 'aws_secret_access_key': ...}).save(...)`"
+            " or prefect-aws's `AwsCredentials(...).save(...)`)"
         ) from err
 
 

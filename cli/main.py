@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from cli.k8s import app as k8s_app
 from cli.lambda_cmd import app as lambda_app
 from cli.models import app as models_app
 from cli.stack import app as stack_app
@@ -16,6 +17,7 @@ from rollart.config import ConfigError, check_run_id, load_config
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Agentic RL on disaggregated hardware (Prefect + Dask).")
 app.add_typer(lambda_app, name="lambda")
+app.add_typer(k8s_app, name="k8s")  # rollart k8s render
 app.add_typer(models_app, name="models")  # rollart models fetch NAME
 app.add_typer(stack_app)  # rollart up / down / status / deploy / submit
 
@@ -28,13 +30,18 @@ def _fail(msg: str, code: int = 2) -> None:
 
 def _ensure_prefect_api() -> str | None:
     """Use PREFECT_API_URL if set; otherwise start (or reuse) the local server. Returns UI URL."""
+    from infra.prefect_server import auth_for, start_server
+
     if os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"].removesuffix("/api")
-    from infra.prefect_server import start_server
+        api = os.environ["PREFECT_API_URL"]
+        auth = None if os.environ.get("PREFECT_API_AUTH_STRING") else auth_for(api)
+        if auth:  # our own server (it requires basic auth): the state dir holds the secret
+            os.environ["PREFECT_API_AUTH_STRING"] = auth
+        return api.removesuffix("/api")
 
     typer.echo("Starting the local Prefect server (reused by later runs) ...")
     server = start_server()
-    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ.update(server.client_env())  # URL and basic auth (never printed)
     return server.ui_url
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import typer
 
+from infra.stack import DEFAULT_POOL as LOCAL_POOL
 from infra.stack import PROJECT_ROOT, Stack
 from rollart.config import ConfigError, check_overrides, check_run_id
 
@@ -52,9 +53,11 @@ def _print_status(stack: Stack) -> bool:
         mark = typer.style("up  ", fg="green") if s.up else typer.style("down", fg="red")
         extra = ""
         if s.name == "prefect-server":
-            extra = f"  UI {s.extra.get('ui')}  API {s.extra.get('api')}"
+            extra = (f"  UI {s.extra.get('ui')}  API {s.extra.get('api')}  "
+                     f"auth {s.extra.get('auth')}")
         elif s.name == "dask-scheduler":
-            extra = f"  {s.url}  dashboard {s.extra.get('dashboard')}"
+            extra = (f"  {s.url}  auth {s.extra.get('auth')}  dashboard (read-only, "
+                     f"loopback) {s.extra.get('dashboard')}")
         elif s.name == "prefect-worker":
             extra = f"  pool {s.extra.get('pool')} ({s.extra.get('type')})"
         elif s.name == "lambda":
@@ -63,7 +66,8 @@ def _print_status(stack: Stack) -> bool:
             res = ",".join(f"{k}={v:g}" for k, v in s.extra.get("resources", {}).items())
             extra = f"  {s.url or ''}  {res}"
         else:
-            extra = f"  {s.url or ''}"
+            auth = s.extra.get("auth")
+            extra = f"  {s.url or ''}" + (f"  auth {auth}" if auth else "")
         if not s.up:
             extra = ""
         pid = f"pid {s.pid}" if s.pid and s.up else ""
@@ -131,6 +135,13 @@ def _api_url(state_dir: Path | None) -> str:
         api = stack.api_url or ""
         os.environ["PREFECT_API_URL"] = api
         os.environ.setdefault("PREFECT_HOME", str(stack.state / "prefect-home"))
+    stack = Stack(state_dir)
+    if api == stack.api_url and not os.environ.get("PREFECT_API_AUTH_STRING"):
+        from infra.prefect_server import auth_string
+
+        auth = auth_string(stack.state, create=False)  # the stack's server requires it
+        if auth:
+            os.environ["PREFECT_API_AUTH_STRING"] = auth
     return api
 
 
@@ -145,8 +156,12 @@ def deploy(
     prefect_file: Path = typer.Option(PROJECT_ROOT / "prefect.yaml", "--prefect-file"),
 ) -> None:
     """Register the block types and the stack's block documents, then every deployment of
-    prefect.yaml (`prefect deploy --all`)."""
+    prefect.yaml on the local work pool (`train-k8s` needs the Kubernetes pool: README)."""
     _check_overrides(list(set_))
+    import yaml
+
+    local = [d["name"] for d in yaml.safe_load(prefect_file.read_text())["deployments"]
+             if d["work_pool"]["name"] == LOCAL_POOL]
     api = _api_url(state_dir)
     from blocks.registration import register_local_blocks
 
@@ -160,17 +175,16 @@ def deploy(
                                   lambda_credentials=stack.lambda_credentials() if ours else None)
     typer.echo("blocks: " + ", ".join(f"{k}/{v}" for k, v in saved.items()))
     proc = subprocess.run(
-        [str(Path(sys.executable).with_name("prefect")), "deploy", "--all", "--no-prompt",
-         "--prefect-file", str(prefect_file)],
+        [str(Path(sys.executable).with_name("prefect")), "deploy", "--no-prompt",
+         *[a for name in local for a in ("--name", name)], "--prefect-file", str(prefect_file)],
         cwd=prefect_file.parent, env={**os.environ, "PREFECT_API_URL": api},
         capture_output=True, text=True)
     if proc.returncode != 0:
         typer.echo(proc.stdout[-4000:] + proc.stderr[-4000:], err=True)
         _fail("prefect deploy failed (output above)", 1)
-    import yaml
     from prefect import get_client
 
-    names = {d["name"] for d in yaml.safe_load(prefect_file.read_text())["deployments"]}
+    names = set(local)
     with get_client(sync_client=True) as client:
         deps = [d for d in client.read_deployments() if d.name in names]
         flows = {f.id: f.name for f in client.read_flows()}

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
 from flows.artifacts import artifact_key
-from infra.dask_cluster import HardwareClassCluster
+from infra.clusters import open_cluster
 from rollart.config import check_run_id, load_config
 from rollart.run import RunSpec
 from rollart.services import EngineService
@@ -60,13 +60,9 @@ def evaluate(
         raise ValueError(f"run {run_id!r} has no complete checkpoint "
                          f"{'at step ' + str(step) if step is not None else 'yet'} "
                          f"(have {store.list_checkpoints()})")
-    address = scheduler_address or cfg.cluster.address
     with contextlib.ExitStack() as stack:
-        if address is None:
-            cluster = stack.enter_context(HardwareClassCluster(
-                workers=cfg.cluster.workers, threads_per_worker=cfg.cluster.threads_per_worker,
-                dashboard=False))
-            address = cluster.scheduler_address
+        address = stack.enter_context(
+            open_cluster(cfg.cluster, scheduler_address, dashboard=False)).address
         logger.info("Evaluating %s checkpoint %d: %d greedy episodes on held-out seeds (Dask %s)",
                     run_id, step, episodes, address)
         metrics = evaluate_on_cluster.with_options(task_runner=task_runner(cfg, address))(

@@ -23,7 +23,7 @@ from prefect.states import Failed
 from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
 from flows.artifacts import RunArtifacts
-from infra.dask_cluster import HardwareClassCluster
+from infra.clusters import open_cluster
 from infra.lambda_endpoint import with_embedded_endpoint
 from rollart import progress
 from rollart.config import ConfigError, check_run_id, load_config
@@ -83,19 +83,17 @@ def train(
     if point is not None:
         logger.info(describe(point))
         progress.note(describe(point).capitalize())
-    address = scheduler_address or cfg.cluster.address
     with contextlib.ExitStack() as stack:
         stack.callback(lock.release)  # last, at the run's end or abort alike
-        # Before the cluster: its worker processes inherit the endpoint's key pair to sign with.
+        # Before the cluster: its worker processes (local, or Slurm jobs exporting this
+        # environment) inherit the endpoint's key pair to sign with.
         cfg = with_embedded_endpoint(cfg, stack)
-        if address is None:
-            cluster = stack.enter_context(HardwareClassCluster(
-                workers=cfg.cluster.workers, threads_per_worker=cfg.cluster.threads_per_worker,
-                dashboard=cfg.cluster.dashboard,
-            ))
-            address = cluster.scheduler_address
-            logger.info("Embedded Dask cluster %s, dashboard %s", address, cluster.dashboard_link)
-            progress.note(f"Dask dashboard:  {cluster.dashboard_link}")
+        cluster = stack.enter_context(open_cluster(cfg.cluster, scheduler_address))
+        address = cluster.address
+        if cluster.manager != "address":
+            logger.info("Dask cluster (%s) %s, dashboard %s", cluster.manager, address,
+                        cluster.dashboard)
+            progress.note(f"Dask dashboard:  {cluster.dashboard}")
         from prefect.runtime import flow_run
 
         progress.note(f"Prefect flow run: {flow_run.ui_url}")

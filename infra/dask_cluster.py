@@ -12,7 +12,7 @@ import os
 from typing import Literal
 
 import dask
-from distributed import Nanny, Scheduler, SpecCluster
+from distributed import Nanny, Scheduler, Security, SpecCluster
 
 from rollart.cluster_classes import default_workers, worker_classes
 
@@ -42,9 +42,12 @@ class PatientNanny(Nanny):
         return await super().close(timeout=max(timeout, 20), reason=reason)
 
 
-def worker_spec(workers: dict[str, int], threads_per_worker: int = 1) -> dict[str, dict]:
-    """Spec for SpecCluster: one entry per worker, named `{class}-{i}`, resource `{class}: 1`."""
+def worker_spec(workers: dict[str, int], threads_per_worker: int = 1,
+                security: Security | None = None) -> dict[str, dict]:
+    """Spec for SpecCluster: one entry per worker, named `{class}-{i}`, resource `{class}: 1`.
+    Each worker's HTTP server (/metrics, /health) on loopback: its default is every interface."""
     spec: dict[str, dict] = {}
+    tls = {"security": security, "protocol": "tls"} if security else {}
     for hw_class, count in workers.items():
         for i in range(count):
             spec[f"{hw_class}-{i}"] = {
@@ -55,19 +58,24 @@ def worker_spec(workers: dict[str, int], threads_per_worker: int = 1) -> dict[st
                     "memory_limit": 0,  # the machine is shared by every class; do not pause
                     "name": f"{hw_class}-{i}",
                     "host": "127.0.0.1",
+                    "dashboard_address": "127.0.0.1:0",
+                    **tls,
                 },
             }
     return spec
 
 
 class HardwareClassCluster(SpecCluster):
-    """LocalCluster-like SpecCluster with heterogeneous, resource-tagged workers on loopback."""
+    """LocalCluster-like SpecCluster with heterogeneous, resource-tagged workers on loopback.
+    With `security` (infra/dask_tls.py) every listener speaks TLS and requires a certificate
+    from the run's CA; `scheduler_address` is then `tls://...`."""
 
     def __init__(
         self,
         workers: dict[str, int] | None = None,
         threads_per_worker: int = 1,
         dashboard: bool = True,
+        security: Security | None = None,
         **kwargs,
     ) -> None:
         workers = workers or default_workers()
@@ -81,11 +89,13 @@ class HardwareClassCluster(SpecCluster):
                 "port": 0,
                 "dashboard_address": "127.0.0.1:0" if dashboard else None,
                 "dashboard": dashboard,
+                **({"security": security, "protocol": "tls"} if security else {}),
             },
         }
         super().__init__(
-            workers=worker_spec(workers, threads_per_worker),
+            workers=worker_spec(workers, threads_per_worker, security),
             scheduler=scheduler,
+            security=security,
             name="rollart-embedded",
             **kwargs,
         )

@@ -3,16 +3,26 @@
 A standalone `prefect server start` keeps history (the ephemeral server loses the last task events
 on exit) and gives the Dask worker processes an API URL to report task runs to. State (pid file,
 log, database) lives under one directory, loopback only.
+
+Loopback is reachable by every local user and by web pages in a local browser, and the API can
+read block secrets (`include_secrets`) and start flow runs. So the server requires HTTP basic
+auth on every API call (Prefect's `PREFECT_SERVER_API_AUTH_STRING`; only GET /api/health and
+/api/ready are open), with a random `rollart:<token>` kept in `<state>/prefect-auth` (0600);
+clients send it as `PREFECT_API_AUTH_STRING` (`PrefectServer.client_env()`). CORS allows only
+the server's own UI origin, not `*`.
 """
 
 from __future__ import annotations
 
+import base64
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +31,7 @@ from infra.state import PRIVATE_UMASK, append_private, private_dir, write_privat
 
 DEFAULT_STATE_DIR = Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
 DEFAULT_PORT = 4200
+AUTH_FILE = "prefect-auth"
 
 
 def free_port() -> int:
@@ -37,12 +48,57 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def auth_string(state_dir: Path | str, create: bool = True) -> str | None:
+    """The server's `user:password` (made on first use, 0600 in the private state dir)."""
+    f = Path(state_dir) / AUTH_FILE
+    try:
+        value = f.read_text().strip()
+        if value:
+            return value
+    except OSError:
+        pass
+    if not create:
+        return None
+    private_dir(f.parent)
+    value = f"rollart:{secrets.token_urlsafe(32)}"
+    write_private(f, value)
+    return value
+
+
+def auth_for(api_url: str, state_dir: Path | str = DEFAULT_STATE_DIR) -> str | None:
+    """The auth string of our server in `state_dir` when `api_url` is that server."""
+    try:
+        port = int((Path(state_dir) / "prefect.port").read_text())
+    except (OSError, ValueError):
+        return None
+    if api_url.rstrip("/") != f"http://127.0.0.1:{port}/api":
+        return None
+    return auth_string(state_dir, create=False)
+
+
+def basic_auth_header(auth: str | None) -> dict[str, str]:
+    if not auth:
+        return {}
+    return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()}
+
+
 @dataclass
 class PrefectServer:
     api_url: str
     ui_url: str
     pid: int | None
     started: bool  # False when an already-running server was reused
+    auth: str | None = None  # basic auth `user:password`; never logged (repr=False below)
+
+    def __repr__(self) -> str:
+        return f"PrefectServer(api_url={self.api_url!r}, pid={self.pid}, started={self.started})"
+
+    def client_env(self) -> dict[str, str]:
+        """What a Prefect client process needs to reach this server."""
+        env = {"PREFECT_API_URL": self.api_url}
+        if self.auth:
+            env["PREFECT_API_AUTH_STRING"] = self.auth
+        return env
 
     def stop(self) -> None:
         if self.pid is None:
@@ -66,12 +122,17 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
     # prefect.db holds the key that decrypts block secrets: a private dir, created 0600.
     state = private_dir(Path(state_dir).absolute())
     pid_file, port_file = state / "prefect.pid", state / "prefect.port"
+    auth = auth_string(state)  # before the server starts: it never runs without auth
     if pid_file.exists() and port_file.exists():
         old_port = int(port_file.read_text())
         url = f"http://127.0.0.1:{old_port}/api"
+        old = PrefectServer(url, f"http://127.0.0.1:{old_port}", int(pid_file.read_text()),
+                            started=False, auth=auth)
         if healthy(url):
-            return PrefectServer(url, f"http://127.0.0.1:{old_port}", int(pid_file.read_text()),
-                                 started=False)
+            if requires_auth(url, auth):
+                return old
+            if _is_prefect(old.pid):  # ours from before API auth: never keep an open API up
+                old.stop()
     port = port or (DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port())
     env = {
         **os.environ,
@@ -81,8 +142,13 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
         # The UI otherwise calls the default port's API, i.e. another server.
         "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
+        # Only the server's own UI may call it from a browser (the default is `*`).
+        "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://127.0.0.1:{port}",
     }
+    if auth:  # always, but for benchmarks/security_overhead.py's baseline (it patches this)
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth
     env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_API_AUTH_STRING", None)
     log = append_private(state / "prefect-server.log")
     prefect_bin = Path(sys.executable).with_name("prefect")
     proc = subprocess.Popen(
@@ -98,10 +164,36 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
         if proc.poll() is not None:
             raise RuntimeError(f"Prefect server exited early; see {state / 'prefect-server.log'}")
         if healthy(url):
-            return PrefectServer(url, f"http://127.0.0.1:{port}", proc.pid, started=True)
+            return PrefectServer(url, f"http://127.0.0.1:{port}", proc.pid, started=True,
+                                 auth=auth)
         time.sleep(0.5)
     PrefectServer(url, "", proc.pid, True).stop()
     raise TimeoutError(f"Prefect server not healthy after {timeout:.0f}s; see the log in {state}")
+
+
+def _is_prefect(pid: int | None) -> bool:
+    """Guard against a recycled pid: only a process whose command line is a Prefect server."""
+    try:
+        return b"prefect" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _status(api_url: str, headers: dict[str, str], timeout: float) -> int | None:
+    req = urllib.request.Request(f"{api_url}/admin/version", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return None
+
+
+def requires_auth(api_url: str, auth: str | None, timeout: float = 5.0) -> bool:
+    """Does the server at `api_url` accept `auth` and refuse a call without it?"""
+    return (_status(api_url, basic_auth_header(auth), timeout) == 200
+            and _status(api_url, {}, timeout) == 401)
 
 
 def port_free(port: int) -> bool:
@@ -111,3 +203,38 @@ def port_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+# The only job variables a deployment or a flow run of the stack's work pool may set. Prefect's
+# default process template renders `command`, `env` and `working_dir` from job variables, so
+# anyone who may create a flow run (`job_variables={"command": ...}`, or `env` with
+# LD_PRELOAD / PYTHONSTARTUP, or a `working_dir` holding its own `flows/train.py`) chooses what
+# the worker executes. The server validates every flow run's job variables against this schema
+# (additionalProperties: false) and answers 422; the job configuration has no placeholder for
+# the command or the working directory either, so nothing renders them.
+POOL_ENV_KEYS = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
+
+
+def locked_job_template() -> dict:
+    env_schema = {"type": "object", "additionalProperties": False,
+                  "properties": {k: {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{0,32}$"}
+                                 for k in POOL_ENV_KEYS},
+                  "title": "Environment Variables",
+                  "description": f"Only {', '.join(POOL_ENV_KEYS)}."}
+    return {
+        "job_configuration": {"command": None, "env": "{{ env }}", "labels": "{{ labels }}",
+                              "name": "{{ name }}", "stream_output": "{{ stream_output }}",
+                              "working_dir": None},
+        "variables": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "name": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None,
+                         "title": "Name"},
+                "env": env_schema,
+                "labels": {"type": "object", "additionalProperties": {"type": "string"},
+                           "title": "Labels"},
+                "stream_output": {"type": "boolean", "default": True, "title": "Stream Output"},
+            },
+        },
+    }

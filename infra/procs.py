@@ -31,9 +31,11 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def http_json(url: str, body: Any = None, timeout: float = 5.0) -> Any:
+def http_json(url: str, body: Any = None, timeout: float = 5.0,
+              headers: dict[str, str] | None = None, method: str | None = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"null")
 

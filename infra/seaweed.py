@@ -87,6 +87,9 @@ class SeaweedHandle:
     data_dir: str
     log_path: str
     ports: dict[str, int] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # address it binds and advertises
+    # Prefix of the command line, e.g. ["ip", "netns", "exec", NS] for a test host (infra/netns)
+    launcher: list[str] = field(default_factory=list)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def alive(self) -> bool:
@@ -118,8 +121,9 @@ class SeaweedHandle:
             return self
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
-        args = [weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1", f"-bucket={self.bucket}", "-master.telemetry=false",
+        args = [*self.launcher, weed_binary(), "mini", f"-dir={self.data_dir}",
+                f"-ip={self.host}", f"-ip.bind={self.host}", f"-bucket={self.bucket}",
+                "-master.telemetry=false",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
         for comp in COMPONENTS:
             args += [f"-{comp}.port={self.ports[comp]}",
@@ -215,17 +219,19 @@ def healthy(endpoint_url: str, access_key: str, secret_key: str, bucket: str,
 
 def start_seaweed(state_dir: str | Path, bucket: str = "rollart",
                   access_key: str | None = None, secret_key: str | None = None,
-                  region: str = "us-east-1", timeout: float = 30.0) -> SeaweedHandle:
-    """Start `weed mini` with data under `state_dir/data`; returns once the bucket answers."""
+                  region: str = "us-east-1", timeout: float = 30.0, host: str = "127.0.0.1",
+                  launcher: list[str] | None = None) -> SeaweedHandle:
+    """Start `weed mini` with data under `state_dir/data`; returns once the bucket answers.
+    `host`/`launcher`: bind another address, run through a prefix (a network namespace)."""
     state = private_dir(Path(state_dir).absolute())
     private_dir(state / "data")
     ports = dict(zip(COMPONENTS, free_port_pairs(len(COMPONENTS)), strict=True))
     handle = SeaweedHandle(
-        endpoint_url=f"http://127.0.0.1:{ports['s3']}",
+        endpoint_url=f"http://{host}:{ports['s3']}",
         access_key=access_key or "rollart" + secrets.token_hex(6),
         secret_key=secret_key or secrets.token_urlsafe(24),
         bucket=bucket, region=region, pid=None, data_dir=str(state / "data"),
-        log_path=str(state / "weed.log"), ports=ports,
+        log_path=str(state / "weed.log"), ports=ports, host=host, launcher=list(launcher or []),
     )
     return handle.start(timeout=timeout)
 

@@ -15,7 +15,8 @@ PID (each process leads its own session, so its children go with it).
 The state directory is private (0700, files 0600, children under umask 077; infra/state.py)
 before any secret is written to it. The Lambda endpoint accepts only requests signed with the
 stack's Lambda key pair (`lambda-credentials.json`), which the Dask workers and the `local`
-rewards block receive; nothing else does.
+rewards block receive; the Prefect API only basic auth with `prefect-auth`; Dask only TLS
+clients with a certificate from the stack's CA (`dask-tls/`, infra/dask_tls.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.prefect_server import free_port, healthy
+from infra.prefect_server import (
+    auth_string,
+    basic_auth_header,
+    free_port,
+    healthy,
+    locked_job_template,
+)
 from infra.procs import (
     alive,
     bin_path,
@@ -57,6 +64,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POOL = "rollart-local"
 LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> reward handler
 LAMBDA_CREDENTIALS_NOTE = "<state dir>/lambda-credentials.json"
+DASK_AUTH = "TLS, mutual: a certificate from the stack's CA (<state dir>/dask-tls)"
+PREFECT_AUTH = "HTTP basic, <state dir>/prefect-auth"
+S3_AUTH = "S3 SigV4, key pair in <state dir>/seaweed"
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
 
 
@@ -138,7 +148,7 @@ class Stack:
     @property
     def scheduler_address(self) -> str | None:
         p = self.ports.get("scheduler")
-        return f"tcp://127.0.0.1:{p}" if p else None
+        return f"tls://127.0.0.1:{p}" if p else None  # TLS, mutual auth (infra/dask_tls.py)
 
     @property
     def dashboard_url(self) -> str | None:
@@ -194,23 +204,20 @@ class Stack:
         })
         if self.api_url:
             env["PREFECT_API_URL"] = self.api_url
+        auth = auth_string(self.state, create=False)  # the server's basic auth (prefect_server)
+        if auth:
+            env["PREFECT_API_AUTH_STRING"] = auth
         return env
 
-    def _dask_config_dir(self) -> Path:
-        """Dask config for our worker processes: the nanny must not set MALLOC_TRIM_THRESHOLD_
-        (see infra/dask_cluster.py); a YAML `null` unsets it, which an env var cannot do."""
-        from infra.dask_cluster import WORKER_ENVIRON
-
-        d = private_dir(self.state / "dask-config")
-        environ = {k: (None if v is None else str(v)) for k, v in WORKER_ENVIRON.items()}
-        cfg = {"distributed": {"nanny": {"pre-spawn-environ": environ}}}
-        write_private(d / "rollart.yaml", json.dumps(cfg, indent=2))  # JSON is YAML
-        return d
+    def _prefect_json(self, path: str, body: Any = None, method: str | None = None) -> Any:
+        auth = basic_auth_header(auth_string(self.state, create=False))
+        return http_json(f"{self.api_url}{path}", body, headers=auth, method=method)
 
     # ---- up --------------------------------------------------------------------------------
     def up(self, timeout: float = 120.0) -> list[ServiceStatus]:
         private_dir(self.state)  # first: every secret below is written into it
         creds = self.lambda_credentials(create=True)
+        auth_string(self.state)  # the Prefect server's basic auth, before anything uses it
         assert creds is not None
         for key in ("scheduler", "dashboard", "lambda"):
             if not self._service_up(key):
@@ -241,10 +248,12 @@ class Stack:
         return self.running(name)
 
     def _ensure_dask(self, env: dict[str, str]) -> None:
-        dask_env = {**env, "DASK_CONFIG": str(self._dask_config_dir())}
+        from infra.dask_tls import stack_dask_config_dir  # TLS certificates, nanny environ
+
+        dask_env = {**env, "DASK_CONFIG": str(stack_dask_config_dir(self.state))}
         if not self.running("dask-scheduler"):
             self._spawn("dask-scheduler", [
-                bin_path("dask"), "scheduler", "--host", "127.0.0.1",
+                bin_path("dask"), "scheduler", "--host", "127.0.0.1", "--protocol", "tls",
                 "--port", str(self.ports["scheduler"]),
                 "--dashboard-address", f"127.0.0.1:{self.ports['dashboard']}",
             ], token="scheduler", env=dask_env)
@@ -256,7 +265,7 @@ class Stack:
             self._spawn(svc, [
                 bin_path("dask"), "worker", self.scheduler_address or "", "--name", name,
                 "--nthreads", "1", "--resources", f"{hw}=1", "--memory-limit", "0",
-                "--host", "127.0.0.1", "--no-dashboard",
+                "--host", "127.0.0.1", "--no-dashboard", "--dashboard-address", "127.0.0.1:0",
                 "--local-directory", str(self.state / "dask-workers"),
             ], token=f"--name {name}", env=dask_env)
 
@@ -292,18 +301,19 @@ class Stack:
                 "AWS_DEFAULT_REGION": h.region}
 
     def _ensure_pool_and_worker(self, env: dict[str, str]) -> None:
-        from prefect.workers.process import ProcessWorker
-
-        api = env["PREFECT_API_URL"]
+        template = locked_job_template()  # no command / env / working_dir from a flow run
         try:
-            http_json(f"{api}/work_pools/{self.pool}")
+            pool = self._prefect_json(f"/work_pools/{self.pool}")
+            if pool.get("base_job_template") != template:  # a stack from before the lock
+                self._prefect_json(f"/work_pools/{self.pool}",
+                                   {"base_job_template": template}, method="PATCH")
         except urllib.error.HTTPError as err:
             if err.code != 404:
                 raise
-            http_json(f"{api}/work_pools/", {
+            self._prefect_json("/work_pools/", {
                 "name": self.pool, "type": "process",
                 "description": "rollart local stack: flow runs as processes on this machine",
-                "base_job_template": ProcessWorker.get_default_base_job_template(),
+                "base_job_template": template,
             })
         if not self.running("prefect-worker"):
             self._spawn("prefect-worker", [
@@ -340,7 +350,7 @@ class Stack:
 
     def _prefect_worker_online(self) -> bool:
         try:
-            rows = http_json(f"{self.api_url}/work_pools/{self.pool}/workers/filter", {})
+            rows = self._prefect_json(f"/work_pools/{self.pool}/workers/filter", {})
         except (OSError, ValueError):
             return False
         return any(w.get("status") == "ONLINE" for w in rows or [])
@@ -350,7 +360,7 @@ class Stack:
         api = self.api_url
         up = bool(api) and healthy(api, timeout=2.0)
         out.append(ServiceStatus("prefect-server", up, self._pid("prefect"), self.ui_url,
-                                 {"api": api, "ui": self.ui_url}))
+                                 {"api": api, "ui": self.ui_url, "auth": PREFECT_AUTH}))
         wup = up and self.running("prefect-worker") and self._prefect_worker_online()
         out.append(ServiceStatus("prefect-worker", wup, self._pid("prefect-worker"),
                                  f"{self.ui_url}/work-pools/work-pool/{self.pool}" if up else None,
@@ -358,7 +368,8 @@ class Stack:
         sched_up = self.running("dask-scheduler") and http_ok(
             f"http://127.0.0.1:{self.ports.get('dashboard')}/health")
         out.append(ServiceStatus("dask-scheduler", sched_up, self._pid("dask-scheduler"),
-                                 self.scheduler_address, {"dashboard": self.dashboard_url}))
+                                 self.scheduler_address,
+                                 {"dashboard": self.dashboard_url, "auth": DASK_AUTH}))
         seen = self._workers_seen() if sched_up else {}
         for name in self.worker_names:
             svc = f"dask-{name}"
@@ -373,7 +384,7 @@ class Stack:
         if "s3" in self.services:
             info = self.services["s3"]
             out.append(ServiceStatus("s3", self.running("s3"), self._pid("s3"), info.get("url"),
-                                     {"bucket": info.get("bucket")}))
+                                     {"bucket": info.get("bucket"), "auth": S3_AUTH}))
         return out
 
     def status_json(self) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from rollart.cluster_classes import default_stages, default_workers
 from rollart.config_base import (  # noqa: F401 (check_run_id, apply_overrides re-exported)
     RUN_ID_RE,
     ConfigError,
@@ -21,6 +20,7 @@ from rollart.config_base import (  # noqa: F401 (check_run_id, apply_overrides r
     check_overrides,
     check_run_id,
 )
+from rollart.config_cluster import ClusterConfig  # noqa: F401 (re-exported)
 from rollart.config_sections import (
     EmulationConfig,
     FaultConfig,
@@ -114,6 +114,12 @@ class EngineConfig(_Strict):
     # engines on another host get the tensors through the actor call as before.
     shared_memory_sync: bool = True
 
+    @property
+    def answer_grammar(self) -> bool:
+        """Whether constrained tasks sample under the answer grammar (the HF engine walks it per
+        token; vLLM takes the token bag alone, so its runs keep the bag restriction)."""
+        return self.backend == "hf"
+
 
 class TaskConfig(_Strict):
     """One environment kind and its share of each batch."""
@@ -129,8 +135,10 @@ class TaskConfig(_Strict):
     # without any parsable action (no reward noise from formatting once actions flow).
     format_credit: Literal["graded", "action"] = "graded"
     seeds: Literal["fixed", "random"] = "random"  # reset seeds: one fixed seed or fresh per group
-    # Constrained sampling: the policy may only emit the tokens of the answer format (tags,
-    # action names, end of turn). For tiny models trained from scratch; log-probs stay exact.
+    # Constrained sampling: the policy may only emit the answer format: one of the complete
+    # `<answer>{action}</answer>` completions (HF engine: token by token along their prefix tree)
+    # or, with vLLM, any of their tokens. For tiny models trained from scratch; log-probs stay
+    # exact (the trainer applies the same restriction per position).
     constrained: bool = False
     eval_seed_offset: int = 1_000_000  # evaluation seeds are disjoint from training seeds
     max_new_tokens: int | None = Field(None, gt=0)  # per-turn cap; None: engine.max_new_tokens
@@ -213,71 +221,14 @@ class TrainConfig(_Strict):
     max_kl: float = Field(0.0, ge=0.0)
 
 
-class ClusterConfig(_Strict):
-    """Where stages run. `address` points at an existing scheduler; None starts a local one."""
-
-    address: str | None = None
-    # Embedded cluster: worker count per hardware class; each worker gets resource {class: 1}.
-    workers: dict[str, int] = Field(default_factory=default_workers)
-    # Stage -> hardware class (= Dask resource name).
-    stages: dict[str, str] = Field(default_factory=default_stages)
-    threads_per_worker: int = Field(1, gt=0)
-    dashboard: bool = True
-    # Deadline of every call to a service on another worker (actor call: update, sync,
-    # checkpoint, generate, env step, ...): past it the call raises CallTimeoutError naming the
-    # service and method instead of hanging the run. Generous: a policy update of a large
-    # model is one such call. Waiting for a batch (`take_batch`) has no deadline.
-    call_timeout_s: float = Field(600.0, gt=0.0)
-    # A lost trainer or rollout service (its worker died or hung past call_timeout_s): the run
-    # re-creates its services and resumes from the latest complete checkpoint, in the same flow
-    # run, at most this many times (rollart/recovery.py); 0: the run fails instead.
-    max_restarts: int = Field(2, ge=0)
-    # How the flow runs its stage tasks (both keep every stage on a worker of its class):
-    # "threads": Prefect tasks on a thread pool in the flow process, each submitting its stage
-    #   as a raw Dask task annotated with the class (~ms of Prefect overhead per task);
-    # "dask": Prefect's DaskTaskRunner ships each task to the worker (~0.2-0.3 s per task).
-    task_runner: Literal["threads", "dask"] = "threads"
-    # Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy
-    # pools; see `routing`). None: `engine.replicas` replicas on `stages.engine` (one pool).
-    engine_pools: dict[str, int] | None = None
-
-    def engine_classes(self, replicas: int = 1) -> list[str]:
-        """Hardware class of each engine replica, in replica order."""
-        if self.engine_pools is None:
-            return [self.stages["engine"]] * replicas
-        return [c for c, n in self.engine_pools.items() for _ in range(n)]
-
-    @model_validator(mode="after")
-    def _stages(self) -> ClusterConfig:
-        need = {"trainer", "engine", "env", "reward"}
-        missing = need - set(self.stages)
-        if missing:
-            raise ValueError(f"cluster.stages is missing {sorted(missing)}")
-        if self.engine_pools is not None:
-            if not self.engine_pools or any(n < 1 for n in self.engine_pools.values()):
-                raise ValueError(
-                    "cluster.engine_pools must map each class to >= 1 replicas, e.g. "
-                    "{H800: 1, H20: 1} (or null for one pool on stages.engine)"
-                )
-        if self.address is None:
-            unknown = {c for c in self.stages.values() if c not in self.workers}
-            if unknown:
-                raise ValueError(
-                    f"cluster.stages maps to classes {sorted(unknown)} that have no workers in "
-                    "cluster.workers"
-                )
-            unknown = {c for c in self.engine_pools or {} if c not in self.workers}
-            if unknown:
-                raise ValueError(
-                    f"cluster.engine_pools names classes {sorted(unknown)} that have no workers "
-                    "in cluster.workers (add them there, e.g. workers: {H800: 1, H20: 1, CPU: 1})"
-                )
-        return self
-
-
 class EvalConfig(_Strict):
     episodes: int = Field(32, ge=0)
     every: int = Field(10, ge=0)  # 0: only at the end
+    # Early stop: end the run (after a checkpoint) once `stop_after` greedy evaluations in a
+    # row reach `stop_at`. None: run all `iterations`. Acts only on periodic evaluations
+    # (episodes > 0 and every > 0), so `--set eval.every=0` also turns it off.
+    stop_at: float | None = Field(None, gt=0.0, le=1.0)
+    stop_after: int = Field(2, ge=1)
 
 
 class LoggingConfig(_Strict):

@@ -85,7 +85,8 @@ class StorageConfig(_Strict):
 
     Credentials never live here: they come from the environment (AWS_ACCESS_KEY_ID /
     AWS_SECRET_ACCESS_KEY, or a profile) or from a Prefect Secret block named by
-    `credentials_block` whose value is {"aws_access_key_id": ..., "aws_secret_access_key": ...}.
+    `credentials_block` whose value is {"aws_access_key_id": ..., "aws_secret_access_key": ...},
+    or a prefect-aws AwsCredentials block of that name.
     """
 
     root: str = "artifacts"  # local path or fsspec URL (file://..., s3://bucket/prefix)

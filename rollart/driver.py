@@ -115,6 +115,14 @@ def plan_step(cfg: RunConfig, iteration: int, eval_every: int | None = None) -> 
     )
 
 
+def eval_stop(stop_at: float | None,
+              stop_after: int) -> Callable[[list[float]], bool] | None:
+    """`stop_when` for `eval.stop_at`: the last `stop_after` greedy evaluations all >= it."""
+    if stop_at is None:
+        return None
+    return lambda evals: len(evals) >= stop_after and min(evals[-stop_after:]) >= stop_at
+
+
 def control_plane_metrics(infos: dict[str, dict[str, Any]], start: float,
                           end: float) -> dict[str, float]:
     """Split the iteration [start, end] into stage work (each stage's own span, measured where
@@ -247,19 +255,27 @@ class IterationDriver:
                    on_iteration: Callable[[IterationResult], None] | None = None,
                    stop_when: Callable[[list[float]], bool] | None = None
                    ) -> list[dict[str, Any]]:
-        """Iterations `first` .. `cfg.iterations - 1`; `stop_when(greedy eval history)` may end
-        the run early. Returns every iteration's metrics."""
+        """Iterations `first` .. `cfg.iterations - 1`; `stop_when(greedy eval history)` (by
+        default the config's `eval.stop_at`) may end the run early, after a checkpoint of the
+        last iteration's policy. Returns every iteration's metrics."""
+        stop_when = stop_when or eval_stop(self.cfg.eval.stop_at, self.cfg.eval.stop_after)
         curve: list[dict[str, Any]] = []
         evals: list[float] = []
         for it in range(first, self.cfg.iterations):
             res = self.iteration(it)
             curve.append(res.metrics)
-            if on_iteration is not None:
-                on_iteration(res)
+            stop = False
             if "eval/success_rate" in res.metrics:
                 evals.append(res.metrics["eval/success_rate"])
-                if stop_when is not None and stop_when(evals):
-                    break
+                stop = stop_when is not None and stop_when(evals)
+            if stop:
+                res.metrics["eval/stopped_early"] = 1.0
+                if res.checkpoint is None:  # the policy the run stops with is the one saved
+                    res.checkpoint = self.checkpoint(res.plan)
+            if on_iteration is not None:
+                on_iteration(res)
+            if stop:
+                break
         return curve
 
     def serving(self) -> list[Any]:
@@ -271,6 +287,16 @@ class IterationDriver:
         """One entry per replica index, None for a lost one."""
         assert self.svc is not None
         return self.supervisor.slots() if self.supervisor else list(self.svc.engines)
+
+    def checkpoint(self, plan: StepPlan) -> dict[str, Any]:
+        """Checkpoint the policy of `plan.step` outside the cadence (an early stop)."""
+        assert self.svc is not None, "start() first"
+        sv = self.svc
+        saved = self.placed("checkpoint", self.runner.info(self.runner.submit(
+            "checkpoint", sv.trainer, plan.step, {"iteration": plan.iteration}, self.slots(),
+            sv.rollout)))
+        call(sv.rollout, "set_version", plan.step)
+        return saved
 
     # ---- finish --------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:

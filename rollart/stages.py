@@ -57,7 +57,7 @@ def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
     chat = chat_format(run)
     n = len(engines)
     chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
-    per_task = constrained_params(params, chat, run.cfg.tasks)
+    per_task = constrained_params(params, chat, run.cfg.tasks, run.cfg.engine.answer_grammar)
 
     def generate(i: int, reqs: list) -> list:
         """On replica i, or the next one that answers when i is lost (a turn's request holds

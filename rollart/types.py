@@ -23,6 +23,9 @@ class SamplingParams:
     # Constrained sampling: only these token ids may be generated (None = whole vocabulary).
     # Log-probs are then taken under the restricted (renormalised) distribution.
     allowed_token_ids: list[int] | None = None
+    # Answer grammar (HF engine): the complete completions a turn may spell; sampling walks
+    # their prefix tree (rollart.answer_trie), inside the bag above. None = bag only.
+    allowed_sequences: list[list[int]] | None = None
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Trajectory:
     behaviour_logprobs: list[Float32]  # per token; 0.0 where loss_mask == 0
     token_versions: list[int]  # policy version per token; -1 where loss_mask == 0
     allowed_token_ids: list[Int32] | None = None  # sampling restriction the log-probs are under
+    allowed_sequences: list[list[Int32]] | None = None  # answer grammar, if sampled under one
     turns: list[Turn] = field(default_factory=list)
     env_return: float = 0.0  # sum of env rewards (task reward + format penalties)
     task_return: float = 0.0  # sum of task rewards alone

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
+from rollart.answer_trie import answer_trie
 from rollart.engines.base import AbortSet, engine_stats
 from rollart.routing.catalog import Slowdown
 from rollart.routing.emulation import ServiceModel
@@ -231,15 +232,25 @@ class HFEngine:
         return int(self.model.config.vocab_size)
 
     @staticmethod
-    def _allowed_mask(reqs: list[GenerationRequest], vocab: int) -> Tensor | None:
-        """[A, V] bool, True where a row may sample the token; None when no row is restricted."""
-        if all(r.params.allowed_token_ids is None for r in reqs):
+    def _allowed_mask(reqs: list[GenerationRequest], vocab: int,
+                      gen: list[list[int]] | None = None) -> Tensor | None:
+        """[A, V] bool, True where a row may sample its next token; None when no row is
+        restricted. A row with an answer grammar gets the trie's continuations of what it has
+        generated so far (`gen`, one list per row); otherwise its token bag."""
+        if all(r.params.allowed_token_ids is None and r.params.allowed_sequences is None
+               for r in reqs):
             return None
         mask = torch.ones((len(reqs), vocab), dtype=torch.bool)
         for j, r in enumerate(reqs):
-            if r.params.allowed_token_ids is not None:
-                mask[j] = False
-                mask[j, torch.tensor(r.params.allowed_token_ids, dtype=torch.long)] = True
+            if r.params.allowed_sequences is not None:
+                trie = answer_trie(r.params.allowed_sequences)
+                ids = trie.allowed_next(gen[j] if gen is not None else [])
+            elif r.params.allowed_token_ids is not None:
+                ids = r.params.allowed_token_ids
+            else:
+                continue
+            mask[j] = False
+            mask[j, torch.tensor(ids, dtype=torch.long)] = True
         return mask
 
     def _stop_hit(self, token_ids: list[int], stops: list[str]) -> bool:
@@ -273,6 +284,8 @@ class HFEngine:
             cache = DynamicCache(config=getattr(self.model, "config", None))
             logits = self._forward(input_ids, mask, pos, cache, "prefill")  # [A, V]
             allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1])  # [A, V]
+            # Only answer-grammar rows change their allowed set per step; a bag is sliced.
+            grammar = any(reqs[b].params.allowed_sequences is not None for b in active)
             if allowed is not None:
                 logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
             next_pos = pos[:, -1:] + 1  # [A, 1]
@@ -305,10 +318,14 @@ class HFEngine:
                         cache.batch_select_indices(sel.to(self.device))
                     mask, next_pos, tokens = mask[sel], next_pos[sel], tokens[sel.to(tokens.device)]
                     temperature, top_p = temperature[sel], top_p[sel]
-                    allowed = allowed[sel] if allowed is not None else None
+                    if allowed is not None and not grammar:
+                        allowed = allowed[sel]
                     active = [active[j] for j in keep]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [A, T + step]
                 logits = self._forward(tokens[:, None], mask, next_pos, cache)
+                if grammar:  # grammar rows move along their trie each step
+                    allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1],
+                                                 [gen[b] for b in active])
                 if allowed is not None:
                     logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
                 next_pos = next_pos + 1

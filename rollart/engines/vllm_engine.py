@@ -162,6 +162,9 @@ class VLLMEngine:
                     finish[i] = "length"  # no room to generate (vLLM would reject the prompt)
                     continue
                 p = r.params
+                if p.allowed_sequences is not None:  # the trainer would mask per position
+                    raise ValueError("the vLLM engine samples under a token bag only: send "
+                                     "allowed_token_ids without allowed_sequences")
                 seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
                 sp = SamplingParams(
                     max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,

@@ -11,8 +11,17 @@ as a scored failure with a flag, never as an exception in the handler.
 Two test styles:
 - `tests: [{"input": str, "output": str}, ...]`: one run per test, stdin -> stdout compared
   line by line (trailing whitespace ignored); reward = fraction passed.
-- `test_code: str`: asserts appended to the solution, one run; reward 1.0 if it exits 0 and
-  printed the completion marker (so `sys.exit(0)` before the asserts does not pass).
+- `test_code: str`: one run in two sandboxes (sandbox_runner "serve" / "tests"): the tests
+  call the solution's top-level functions and classes through a pipe and get plain literals
+  back; reward 1.0 if the tests' process exits 0 and printed the completion marker, which the
+  solution's process never sees (so neither `sys.exit(0)`, reading the marker, an always-equal
+  object nor a redefined builtin passes). Tests exchange literals (numbers, strings, bytes,
+  tuples, lists, dicts, sets, None) and opaque handles to other objects.
+
+Fail closed: where the kernel cannot confine the code (no Landlock, no namespaces), the run
+raises SandboxUnavailable naming what is missing, unless the operator set
+ROLLART_SANDBOX_ALLOW_WEAK=1 (then only rlimits and a Python audit hook, which a solution can
+defeat, stand between it and the host).
 """
 
 from __future__ import annotations
@@ -36,6 +45,16 @@ RUNNER = Path(__file__).with_name("sandbox_runner.py")
 MAX_TESTS = 64
 MAX_TIMEOUT_S = 30.0
 OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr a run may write (RLIMIT_FSIZE)
+DISK_LIMIT = 32 << 20  # bytes all files of one run may hold (its tmpfs)
+MAX_FILES = 256  # inodes of that tmpfs
+EXIT_UNCONFINED = 97  # sandbox_runner: the kernel cannot confine the code, nothing ran
+# Operator's choice, never a request's: run where only the audit hook (and rlimits) confine the
+# code, which a determined solution can switch off. Off by default: fail closed.
+ALLOW_WEAK_ENV = "ROLLART_SANDBOX_ALLOW_WEAK"
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot confine untrusted code (the message names the missing layer)."""
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -49,47 +68,83 @@ def extract_code(event: dict[str, Any]) -> str:
 
 
 def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
-              memory_mb: int) -> dict[str, Any]:
-    """One sandboxed run. Returns exit code, bounded stdout/stderr, timed_out, wall seconds."""
+              memory_mb: int, without: tuple[str, ...] = (),
+              preload: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One sandboxed run. Returns exit code, bounded stdout/stderr, timed_out, wall seconds.
+
+    Without `tests_py`: one process runs the solution as a program on `stdin`. With it: two
+    processes, each in its own sandbox, joined only by two pipes: the solution's serves calls
+    of its top-level functions (sandbox_runner "serve"), the tests' runs `tests_py` against
+    proxies of them and gets plain Python literals back ("tests"); only the tests' process
+    reads `stdin` (the completion marker), and the verdict is its exit status and stdout.
+    `without` skips confinement layers and `preload` imports modules before the uid drop
+    (tests only: each layer is shown to be needed)."""
     base = Path(tempfile.mkdtemp(prefix="rollart-code-"))
+    roles = ["solution"] if tests_py is None else ["solution", "tests"]
+    procs: dict[str, subprocess.Popen] = {}
     try:
-        box, io_dir = base / "box", base / "io"
-        box.mkdir()
+        io_dir = base / "io"
         io_dir.mkdir(mode=0o700)
-        (box / "solution.py").write_text(code, encoding="utf-8")
-        if tests_py is not None:
-            (box / "tests.py").write_text(tests_py, encoding="utf-8")
-        if os.geteuid() == 0:  # the runner drops to nobody, which must own its sandbox
-            base.chmod(0o711)  # traverse only: io/ stays root's
-            for p in (box, *box.iterdir()):
-                os.chown(p, 65534, 65534)
         (io_dir / "stdin").write_text(stdin, encoding="utf-8")
-        limits = {"memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1,
-                  "fsize_bytes": OUTPUT_LIMIT}
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box),
-               "TMPDIR": str(box), "PYTHONHASHSEED": "0"}
+        pipes = (*os.pipe(), *os.pipe()) if tests_py is not None else ()
+        # solution reads requests (fd 0 of pipes) and writes answers (fd 3); tests the reverse
+        fds = {"solution": pipes[0::3], "tests": pipes[1:3][::-1]} if pipes else {}
+        for role in roles:
+            box = base / role
+            box.mkdir()
+            name = "tests.py" if role == "tests" else "solution.py"
+            (box / name).write_text(tests_py if role == "tests" else code, encoding="utf-8")
+            if os.geteuid() == 0:  # the runner drops to nobody, which must own its sandbox
+                base.chmod(0o711)  # traverse only: io/ stays root's
+                for p in (box, *box.iterdir()):
+                    os.chown(p, 65534, 65534)
         t0 = time.perf_counter()
-        with open(io_dir / "stdin", "rb") as fin, open(io_dir / "stdout", "wb") as fout, \
-                open(io_dir / "stderr", "wb") as ferr:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", str(RUNNER), str(box), json.dumps(limits)],
-                stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=env,
-                start_new_session=True, close_fds=True)
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+        for role in roles:
+            box = base / role
+            mode = "main" if tests_py is None else ("serve" if role == "solution" else "tests")
+            limits = {"memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1,
+                      "fsize_bytes": OUTPUT_LIMIT, "disk_bytes": DISK_LIMIT,
+                      "max_files": MAX_FILES, "parent": os.getpid(), "mode": mode,
+                      "fds": list(fds.get(role, ())), "without": list(without),
+                      "preload": list(preload),
+                      "allow_weak": os.environ.get(ALLOW_WEAK_ENV) == "1"}
+            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box),
+                   "TMPDIR": str(box), "PYTHONHASHSEED": "0"}
+            stdin_path = io_dir / "stdin" if mode != "serve" else Path(os.devnull)
+            with open(stdin_path, "rb") as fin, open(io_dir / f"{role}.out", "wb") as fout, \
+                    open(io_dir / f"{role}.err", "wb") as ferr:
+                procs[role] = subprocess.Popen(
+                    [sys.executable, "-I", str(RUNNER), str(box), json.dumps(limits)],
+                    stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=env,
+                    start_new_session=True, close_fds=True, pass_fds=fds.get(role, ()))
+        for fd in pipes:  # only the two sandboxes hold the pipes: EOF when either dies
+            os.close(fd)
+        decisive = procs[roles[-1]]
+        timed_out = False
+        try:
+            decisive.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        wall = time.perf_counter() - t0
+    finally:  # also on an exception here (the handler being torn down)
+        for proc in procs.values():
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # the whole group, not just the leader
                 proc.wait(timeout=5)
-        wall = time.perf_counter() - t0
+    try:
+        unconfined = [r for r, p in procs.items() if p.returncode == EXIT_UNCONFINED]
+        if unconfined:
+            err = (io_dir / f"{unconfined[0]}.err").read_text(errors="replace").strip()
+            raise SandboxUnavailable(err.splitlines()[-1] if err else
+                                     "sandbox: the code could not be confined")
 
         def tail(name: str) -> str:
             data = (io_dir / name).read_bytes()[:OUTPUT_LIMIT]
             return data.decode("utf-8", errors="replace")
 
-        return {"returncode": proc.returncode, "stdout": tail("stdout"),
-                "stderr": tail("stderr"), "timed_out": timed_out, "wall_s": wall}
+        return {"returncode": decisive.returncode, "stdout": tail(f"{roles[-1]}.out"),
+                "stderr": "".join(tail(f"{r}.err") for r in roles), "timed_out": timed_out,
+                "wall_s": wall}
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -115,6 +170,9 @@ def code_exec(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     "budget_s": float = 20 (all runs together; tests past it count as failed)}"""
     code = extract_code(event)
     timeout_s = min(max(float(event.get("timeout_s", 2.0)), 0.1), MAX_TIMEOUT_S)
+    if context is not None and hasattr(context, "get_remaining_time_in_millis"):
+        # never past the Lambda's own deadline (the sandbox also dies with this process)
+        timeout_s = min(timeout_s, max(0.1, context.get_remaining_time_in_millis() / 1000 - 0.5))
     memory_mb = min(max(int(event.get("memory_mb", 256)), 64), 4096)
     budget_end = time.monotonic() + float(event.get("budget_s", 20.0))
     flags = {"timeout": 0.0, "memory_error": 0.0, "sandbox_violation": 0.0,

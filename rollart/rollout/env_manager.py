@@ -59,19 +59,27 @@ def answer_token_ids(chat: ChatFormat, action_names: list[str]) -> list[int]:
     return sorted(ids)
 
 
-def constrained_params(params: SamplingParams, chat: ChatFormat,
-                       tasks: list[TaskConfig]) -> dict[str, SamplingParams]:
+def answer_sequences(chat: ChatFormat, action_names: list[str]) -> list[list[int]]:
+    """The token ids of each whole answer turn, `<answer>{action}</answer>` and end of turn
+    (the answer grammar, rollart.answer_trie)."""
+    return [[*chat.encode(f"<answer>{name}</answer>"), chat.eos_id] for name in action_names]
+
+
+def constrained_params(params: SamplingParams, chat: ChatFormat, tasks: list[TaskConfig],
+                       grammar: bool = False) -> dict[str, SamplingParams]:
     """Per-task sampling params: the task's `max_new_tokens` if set; constrained tasks get
     `allowed_token_ids` (built from the env's action names, so this runs where env code may
-    run: an env-class worker)."""
+    run: an env-class worker) and, with `grammar` (engines that walk an answer trie: HF), the
+    answer sequences themselves."""
     out = {}
     for task in tasks:
-        allowed = None
+        allowed, seqs = None, None
         if task.constrained:
             env = make_env(task)
             allowed = answer_token_ids(chat, list(env.action_names))
+            seqs = answer_sequences(chat, list(env.action_names)) if grammar else None
             env.close()
-        out[task.name] = replace(params, allowed_token_ids=allowed,
+        out[task.name] = replace(params, allowed_token_ids=allowed, allowed_sequences=seqs,
                                  max_new_tokens=task.max_new_tokens or params.max_new_tokens)
     return out
 
@@ -163,6 +171,7 @@ def run_episodes(
     episodes = [start_episode(s, chat) for s in specs]
     for ep in episodes:
         ep.traj.allowed_token_ids = by_task[ep.spec.task.name].allowed_token_ids
+        ep.traj.allowed_sequences = by_task[ep.spec.task.name].allowed_sequences
         if ep.done and on_done is not None:  # reset failed
             on_done(ep.traj)
     while True:

@@ -135,8 +135,9 @@ class RolloutScheduler:
         if self.halted:
             return out
         usable = self._usable_batches()
+        live = Counter(g.task for g in self.groups.values())  # one pass, not one per task
         for task, quota in self.quota.items():
-            have = sum(1 for g in self.groups.values() if g.task == task)
+            have = live[task]
             while have < usable * quota:
                 n = self._task_counts[task]  # this task's group index (plan order)
                 if self._namer is not None:

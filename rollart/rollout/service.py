@@ -219,6 +219,7 @@ class RolloutService:
         ep = start_episode(spec, self.chat, lambda task: env)
         reason = "env_error"
         ep.traj.allowed_token_ids = params.allowed_token_ids
+        ep.traj.allowed_sequences = params.allowed_sequences
         try:
             while not ep.done and not live.cancelled:
                 req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",

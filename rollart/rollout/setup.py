@@ -27,5 +27,6 @@ def build_rollout_service(run: RunSpec, engines: list[Any], hosts: list[Any],
     set_call_timeout(run.cfg.cluster.call_timeout_s)  # its calls to engines and env hosts
     chat = chat_format(run)
     return RolloutService(run.cfg, chat, engines, hosts, make_reward_client(run.cfg.reward),
-                          constrained_params(sampling_params(run.cfg), chat, run.cfg.tasks),
+                          constrained_params(sampling_params(run.cfg), chat, run.cfg.tasks,
+                                             run.cfg.engine.answer_grammar),
                           version, run.max_context)

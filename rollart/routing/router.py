@@ -17,7 +17,8 @@ run until its longest row is done, each step reading the weights once:
                + max of its decode_tokens * (decode_batch * bytes_per_token) / bandwidth(c)
 
 A replica's wait is batch_s summed over its outstanding requests cut into batches in arrival
-order, and a request's service time on a replica is what it adds to that (its marginal cost).
+order, and a request's service time on a replica is what it adds to that (its marginal cost;
+both kept per replica between decisions: rollart.routing.cost.QueueCost).
 For a full batch of equal rows this is the per-request sum above; a decode-heavy request that
 joins a batch of short ones costs the whole batch its long decode (issue 21: without this the
 router put decode-heavy turns next to prefill-heavy ones on the compute pool, where every such
@@ -77,67 +78,19 @@ The caller reports: `route` when a request is ready, `on_started` when an engine
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from rollart.routing.catalog import HardwareClass
+from rollart.routing.cost import CostModel, QueueCost, default_correction_bound
 
 Policy = Literal["affinity", "round_robin", "least_loaded"]
 POLICIES: tuple[str, ...] = ("affinity", "round_robin", "least_loaded")
 
 
-SAME_CLASS_BOUND = 2.0  # correction bound when every replica has the same figures
-
-
-def default_correction_bound(classes: Iterable[HardwareClass]) -> float:
-    """(smallest ratio > 1 between two replicas' FLOP/s or bandwidths) ** (1/4): the relative
-    correction between two replicas (at most bound^2) then stays below the square root of the
-    smallest class advantage. H800 + H20: (4000 / 3350) ** 0.25 = 1.0453."""
-    ratios = [max(x, y) / min(x, y)
-              for a, c in itertools.combinations(list(classes), 2)
-              for x, y in ((a.flops, c.flops), (a.bandwidth, c.bandwidth)) if x != y]
-    return min(ratios) ** 0.25 if ratios else SAME_CLASS_BOUND
-
-
 class NoHealthyReplica(RuntimeError):
     """Every replica is marked failed."""
-
-
-@dataclass(frozen=True)
-class CostModel:
-    flops_per_token: float  # prefill FLOPs per prompt token
-    bytes_per_token: float  # decode bytes read per generated token (weights' share + KV)
-    time_scale: float = 1.0  # wall seconds per modelled second (emulation's time_scale)
-    decode_batch: int = 1  # rows per engine batch (they share each decode step's weight read)
-
-    @classmethod
-    def for_model(cls, params: float, bytes_per_param: float = 2.0, decode_batch: int = 1,
-                  kv_bytes_per_token: float = 0.0, time_scale: float = 1.0) -> CostModel:
-        """params: parameter count; bytes_per_param: 2 for bf16; decode_batch: rows that share one
-        weight read per decode step; kv_bytes_per_token: KV bytes read per generated token."""
-        return cls(flops_per_token=2.0 * params,
-                   bytes_per_token=params * bytes_per_param / max(decode_batch, 1)
-                   + kv_bytes_per_token, time_scale=time_scale,
-                   decode_batch=max(decode_batch, 1))
-
-    def service_s(self, hw: HardwareClass, prefill_tokens: float, decode_tokens: float) -> float:
-        return self.time_scale * (prefill_tokens * self.flops_per_token / hw.flops
-                                  + decode_tokens * self.bytes_per_token / hw.bandwidth)
-
-    def batch_s(self, hw: HardwareClass, items: Iterable[tuple[float, float]]) -> float:
-        """(prefill tokens, decode tokens) of requests served in this order, `decode_batch` rows
-        per batch: each batch's prefill plus its longest decode at a full step per token."""
-        rows = list(items)
-        step = self.decode_batch * self.bytes_per_token / hw.bandwidth
-        total = 0.0
-        for i in range(0, len(rows), self.decode_batch):
-            chunk = rows[i:i + self.decode_batch]
-            total += (sum(p for p, _ in chunk) * self.flops_per_token / hw.flops
-                      + max(d for _, d in chunk) * step)
-        return self.time_scale * total
 
 
 @dataclass(frozen=True)
@@ -175,8 +128,17 @@ class _Replica:
     outstanding: dict[str, tuple[float, float]] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)  # outstanding ids already in an engine batch
     ratio: float = 1.0  # EMA of measured / estimated batch time (unbounded)
+    log_ratio: float = 0.0
     scale: float = 1.0  # the correction applied: common part x bounded relative part
     batches: int = 0
+    # batch cost of the queued / running requests (raw); None: rebuild on the next query
+    queued_cost: QueueCost | None = None
+    running_cost: QueueCost | None = None
+    flops: float = 0.0  # the class's FLOP/s and decode step time per token (set by the Router)
+    step_s: float = 0.0
+
+    def touched(self) -> None:
+        self.queued_cost = self.running_cost = None
 
 
 class Router:
@@ -205,7 +167,9 @@ class Router:
                                  else default_correction_bound([r.hw for r in replicas]))
         self.common_scale = 1.0
         self._raw: dict[str, tuple[float, float]] = {}  # outstanding id -> tokens (on_batch)
-        self._replicas: dict[str, _Replica] = {r.replica_id: _Replica(r) for r in replicas}
+        self._replicas: dict[str, _Replica] = {
+            r.replica_id: _Replica(r, flops=r.hw.flops, step_s=cost.decode_batch
+                                   * cost.bytes_per_token / r.hw.bandwidth) for r in replicas}
         self._order = ids  # round-robin rotation order
         self._index = {rid: i for i, rid in enumerate(ids)}
         self._rr = 0
@@ -225,14 +189,22 @@ class Router:
 
     def wait_s(self, replica_id: str) -> float:
         rep = self._replicas[replica_id]
-        hw = rep.spec.hw
-        running = [v for k, v in rep.outstanding.items() if k in rep.running]
-        queued = self._queued(rep)
-        return rep.scale * (self.cost.batch_s(hw, running) + self.cost.batch_s(hw, queued))
+        return rep.scale * (self._running_cost(rep).total_s + self._queued_cost(rep).total_s)
 
     @staticmethod
     def _queued(rep: _Replica) -> list[tuple[float, float]]:
         return [v for k, v in rep.outstanding.items() if k not in rep.running]
+
+    def _queued_cost(self, rep: _Replica) -> QueueCost:
+        if rep.queued_cost is None:
+            rep.queued_cost = QueueCost.of(self.cost, rep.spec.hw, self._queued(rep))
+        return rep.queued_cost
+
+    def _running_cost(self, rep: _Replica) -> QueueCost:
+        if rep.running_cost is None:
+            rep.running_cost = QueueCost.of(self.cost, rep.spec.hw, [
+                v for k, v in rep.outstanding.items() if k in rep.running])
+        return rep.running_cost
 
     def home(self, episode_id: str) -> str | None:
         return self._home.get(episode_id)
@@ -249,10 +221,9 @@ class Router:
     def _raw_service_s(self, req: RouteRequest, replica_id: str) -> float:
         """What `req` adds to the replica's queued work (batched), before the correction."""
         rep = self._replicas[replica_id]
-        queued = self._queued(rep)  # a running batch takes no new rows
-        item = self._tokens(req, replica_id)
-        return (self.cost.batch_s(rep.spec.hw, [*queued, item])
-                - self.cost.batch_s(rep.spec.hw, queued))
+        queued = self._queued_cost(rep)  # a running batch takes no new rows
+        return queued.with_item_s(self.cost, rep.spec.hw, self._tokens(req, replica_id)) \
+            - queued.total_s
 
     # ---------------------------------------------------------------- events
 
@@ -293,7 +264,10 @@ class Router:
         est = self._raw_service_s(req, choice) * self._replicas[choice].scale
         wait = self.wait_s(choice)
         item = self._tokens(req, choice)
-        self._replicas[choice].outstanding[req.request_id] = item
+        rep = self._replicas[choice]
+        if rep.queued_cost is not None:  # the request joins the end of the queue
+            rep.queued_cost = rep.queued_cost.appended(self.cost, rep.spec.hw, item)
+        rep.outstanding[req.request_id] = item
         self._raw[req.request_id] = item
         self._where[req.request_id] = choice
         self._home[req.episode_id] = choice
@@ -308,6 +282,7 @@ class Router:
         that is already running)."""
         rep = self._replicas[replica_id]
         rep.running.update(r for r in request_ids if r in rep.outstanding)
+        rep.touched()
 
     def on_finished(self, request_id: str) -> None:
         """The completion is back (or the request was aborted): its work leaves the queue."""
@@ -316,6 +291,7 @@ class Router:
         if rid is not None:
             self._replicas[rid].outstanding.pop(request_id, None)
             self._replicas[rid].running.discard(request_id)
+            self._replicas[rid].touched()
 
     def on_batch(self, replica_id: str, request_ids: list[str], busy_s: float) -> None:
         """An engine call on `replica_id` served `request_ids` in `busy_s` seconds: update the
@@ -329,15 +305,17 @@ class Router:
         rep.ratio = ratio if rep.batches == 0 else rep.ratio + self.correction_alpha * (
             ratio - rep.ratio)
         rep.batches += 1
+        rep.log_ratio = math.log(rep.ratio)
         self._rescale()
 
     def _rescale(self) -> None:
-        seen = [r.ratio for r in self._replicas.values() if r.batches]
-        g = math.exp(sum(math.log(x) for x in seen) / len(seen)) if seen else 1.0
+        seen = [r.log_ratio for r in self._replicas.values() if r.batches]
+        g = math.exp(sum(seen) / len(seen)) if seen else 1.0
         b = self.correction_bound
+        lo = 1.0 / b
         self.common_scale = g
         for rep in self._replicas.values():  # an unmeasured replica gets the common part
-            rep.scale = g * (min(max(rep.ratio / g, 1.0 / b), b) if rep.batches else 1.0)
+            rep.scale = g * (min(max(rep.ratio / g, lo), b) if rep.batches else 1.0)
 
     def on_episode_end(self, episode_id: str) -> None:
         self._home.pop(episode_id, None)
@@ -353,6 +331,7 @@ class Router:
             self._raw.pop(r, None)
         rep.outstanding.clear()
         rep.running.clear()
+        rep.touched()
         return lost
 
     def on_recovered(self, replica_id: str) -> None:
@@ -363,14 +342,31 @@ class Router:
     def _finish_s(self, req: RouteRequest, replica_id: str) -> float:
         """affinity's cost of placing `req` on the replica: when it would finish (wait + its
         service) plus the delay its service inflicts on the queued rows it would share a batch
-        with (they all finish when the batch does)."""
+        with (they all finish when the batch does). This runs for every candidate of every
+        decision, so it is wait_s + (1 + sharing) x service_s written out over the cached queue
+        costs (the same operations as CostModel.batch_s; tests compare it with the plain sums)."""
         rep = self._replicas[replica_id]
-        sharing = len(self._queued(rep)) % self.cost.decode_batch
-        return self.wait_s(replica_id) + (1 + sharing) * self.service_s(req, replica_id)
+        queued = rep.queued_cost or self._queued_cost(rep)
+        running = rep.running_cost or self._running_cost(rep)
+        cost = self.cost
+        hit = self.prefix_cache and self._home.get(req.episode_id) == replica_id
+        prefill = queued.tail_prefill + (req.new_tokens + (0 if hit else req.context_tokens))
+        d = req.decode_tokens
+        decode = d if not queued.tail or d > queued.tail_decode else queued.tail_decode
+        with_item = cost.time_scale * (queued.full_raw + (
+            prefill * cost.flops_per_token / rep.flops + decode * rep.step_s))
+        wait = rep.scale * (running.total_s + queued.total_s)
+        sharing = queued.count % cost.decode_batch
+        return wait + (1 + sharing) * (rep.scale * (with_item - queued.total_s))
 
     def _pick(self, req: RouteRequest, cands: list[str]) -> str:
         if self.policy == "affinity":
-            return min(cands, key=lambda i: self._finish_s(req, i))
+            best, best_s = cands[0], math.inf
+            for rid in cands:  # the first of the cheapest, as min() would pick
+                finish = self._finish_s(req, rid)
+                if finish < best_s:
+                    best, best_s = rid, finish
+            return best
         if self.policy == "least_loaded":
             return min(cands, key=lambda i: len(self._replicas[i].outstanding))
         # round robin: advance the rotation to the next candidate

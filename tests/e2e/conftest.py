@@ -47,7 +47,7 @@ class StackHandle:
 
     def prefect(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """The real `prefect` CLI against the stack's server."""
-        env = {**self.env, "PREFECT_API_URL": self.api_url}
+        env = {**self.env, "PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": self.auth}
         return subprocess.run([str(Path(sys.executable).with_name("prefect")), *args], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -56,15 +56,25 @@ class StackHandle:
         return self.info["api_url"]
 
     @property
+    def auth(self) -> str:
+        """The stack's Prefect basic auth (`user:password`): every API call needs it."""
+        return (self.state / "prefect-auth").read_text().strip()
+
+    @property
     def ui_url(self) -> str:
         return self.info["ui_url"]
 
     @contextmanager
     def client(self) -> Iterator[Any]:
         from prefect import get_client
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import (
+            PREFECT_API_AUTH_STRING,
+            PREFECT_API_URL,
+            temporary_settings,
+        )
 
-        with temporary_settings({PREFECT_API_URL: self.api_url}):
+        with temporary_settings({PREFECT_API_URL: self.api_url,
+                                 PREFECT_API_AUTH_STRING: self.auth}):
             with get_client(sync_client=True) as c:
                 yield c
 

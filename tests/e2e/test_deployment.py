@@ -8,6 +8,7 @@ import base64
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 
@@ -47,19 +48,36 @@ def test_stack_up_is_healthy_and_idempotent(stack):
         assert s["url"] is None or "127.0.0.1" in s["url"], s
     for hw in ("H800", "H20", "CPU"):
         assert services[f"dask-{hw}-0"]["extra"]["resources"] == {hw: 1.0}
-    # The human-readable status names each URL: Prefect UI and the Dask dashboard.
+    # The human-readable status names each URL: Prefect UI and the Dask dashboard, and how
+    # each service authenticates; the API refuses a call without the stack's credentials.
     human = stack.cli("status").stdout
     assert stack.ui_url in human and stack.info["dashboard_url"] in human
+    for name in ("prefect-server", "dask-scheduler", "lambda"):
+        assert services[name]["extra"].get("auth"), services[name]
+        assert f"auth {services[name]['extra']['auth']}" in human
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(
+            f"{stack.api_url}/flow_runs/filter", data=b"{}", method="POST",
+            headers={"Content-Type": "application/json"}), timeout=10)
+    assert err.value.code == 401
     with urllib.request.urlopen(stack.info["dashboard_url"], timeout=10) as r:
         assert r.status == 200
     # The UI is told where its own API is (not the default port 4200).
     with urllib.request.urlopen(f"{stack.ui_url}/ui-settings", timeout=10) as r:
         assert json.loads(r.read())["api_url"] == stack.api_url
 
-    # Dask workers of the stack run without the nanny's MALLOC_TRIM_THRESHOLD_.
+    # Dask workers of the stack run without the nanny's MALLOC_TRIM_THRESHOLD_. The scheduler
+    # speaks TLS and wants the stack's certificate (tests/security/test_dask_tls.py).
+    import contextlib
+
     from distributed import Client
 
-    with Client(stack.info["scheduler_address"], timeout=20) as c:
+    from infra.dask_tls import connect_existing
+
+    assert stack.info["scheduler_address"].startswith("tls://")
+    with contextlib.ExitStack() as es:
+        assert connect_existing(es, stack.info["scheduler_address"], stack.state)
+        c = es.enter_context(Client(stack.info["scheduler_address"], timeout=20))
         env = c.run(lambda: __import__("os").environ.get("MALLOC_TRIM_THRESHOLD_", "unset"))
     assert set(env.values()) == {"unset"}, env
 

@@ -5,6 +5,7 @@ results/ (ui_quick_run.png, ui_artifacts.png)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -69,6 +70,10 @@ def test_quick_run_from_the_ui_completes(stack):
                 profile, executable_path=CHROMIUM, headless=True, args=ARGS,
                 viewport={"width": 1400, "height": 1000})
             try:
+                # The server requires basic auth: what the UI's login page stores once the user
+                # typed the auth string (`prefect-password`, base64), set before any page loads.
+                ctx.add_init_script("localStorage.setItem('prefect-password', "
+                                    f"btoa({json.dumps(stack.auth)}))")
                 page = ctx.new_page()
                 page.set_default_timeout(30_000)
                 page.goto(stack.ui_url, wait_until="networkidle")

@@ -13,17 +13,18 @@ def prefect_api(tmp_path_factory):
     from infra.prefect_server import free_port
 
     server = start_server(state_dir=state, port=free_port())
-    old = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = server.api_url
+    old = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
+    os.environ.update(server.client_env())  # the server requires basic auth
     _refresh_prefect_settings()
     yield server.api_url
     from prefect.logging.handlers import APILogHandler
 
     APILogHandler().flush()  # ship buffered logs while the server is still up
-    if old is None:
-        os.environ.pop("PREFECT_API_URL", None)
-    else:
-        os.environ["PREFECT_API_URL"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     _refresh_prefect_settings()
     server.stop()
 

@@ -161,7 +161,7 @@ def test_wrong_credentials_fail_at_flow_start_in_one_line(s3, prefect_api, monke
     def no_cluster(*a, **k):
         raise AssertionError("a Dask cluster was started despite wrong credentials")
 
-    monkeypatch.setattr(flows.train, "HardwareClassCluster", no_cluster)
+    monkeypatch.setattr(flows.train, "open_cluster", no_cluster)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     t0 = time.monotonic()

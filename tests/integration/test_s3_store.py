@@ -142,3 +142,32 @@ def test_credentials_from_a_prefect_secret_block(aws_env, prefect_api, monkeypat
     RunStore.from_config(cfg, "r").write_text("via-block", "1")
     with pytest.raises(StorageError, match="no-such-block"):
         check_storage(_cfg(aws_env, "block", credentials_block="no-such-block"))
+
+
+def test_credentials_from_an_aws_credentials_block(aws_env, prefect_api, monkeypatch):
+    """prefect-aws's AwsCredentials block (slug `aws-credentials`; its field names and secret
+    type), registered here by a class of the same shape since prefect-aws is not installed."""
+    from prefect.blocks.core import Block
+    from pydantic import SecretStr
+
+    from blocks.secrets import install_credentials_resolver
+
+    class AwsCredentials(Block):
+        _block_type_slug = "aws-credentials"
+        aws_access_key_id: str | None = None
+        aws_secret_access_key: SecretStr | None = None
+        aws_session_token: str | None = None
+        region_name: str | None = None
+
+    AwsCredentials(aws_access_key_id=KEY, aws_secret_access_key=SecretStr(SECRET)).save(
+        "rollart-aws-test", overwrite=True)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    install_credentials_resolver()
+    cfg = _cfg(aws_env, "awsblock", credentials_block="rollart-aws-test")
+    check_storage(cfg)
+    RunStore.from_config(cfg, "r").write_text("via-aws-block", "1")
+    AwsCredentials(aws_access_key_id=KEY, aws_secret_access_key=SecretStr("wrong")).save(
+        "rollart-aws-wrong", overwrite=True)
+    with pytest.raises(StorageError, match="rejected the credentials"):
+        check_storage(_cfg(aws_env, "awsblock", credentials_block="rollart-aws-wrong"))

@@ -193,7 +193,7 @@ def test_object_store_lock_refuses_a_second_writer_and_takes_over_a_stale_one(
         def no_cluster(*a, **k):
             raise AssertionError("a Dask cluster was started for a run id that is locked")
 
-        monkeypatch.setattr(flows.train, "HardwareClassCluster", no_cluster)
+        monkeypatch.setattr(flows.train, "open_cluster", no_cluster)
         state = flows.train.train(config=CONFIG, run_id="shared",
                                   overrides=[*location, *RUN, "iterations=1"],
                                   return_state=True)

@@ -78,8 +78,12 @@ def test_submit_params_parse_json_and_sets():
 def test_prefect_yaml_deployments_share_one_pool():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}
-    assert set(deps) == {"train", "evaluate", "continue-nightly"}
-    assert {d["work_pool"]["name"] for d in deps.values()} == {"rollart-local"}
+    assert set(deps) == {"train", "evaluate", "continue-nightly", "train-k8s"}
+    # The local stack's deployments share its process pool; train-k8s runs on the Kubernetes
+    # pool (tests/unit/test_kubernetes.py checks its job template).
+    assert {d["work_pool"]["name"] for n, d in deps.items() if n != "train-k8s"} == {
+        "rollart-local"}
+    assert deps["train-k8s"]["work_pool"]["name"] == "rollart-k8s"
     assert deps["continue-nightly"]["schedules"][0]["cron"] == "0 3 * * *"
     assert deps["train"]["parameters"]["config"] == "configs/default.yaml"
     for d in deps.values():  # module entrypoints: Dask workers can import what is pickled

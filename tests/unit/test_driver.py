@@ -160,6 +160,32 @@ def test_driver_stop_when_ends_the_run_early(tmp_path):
     assert len(curve) == 4  # evaluations after steps 2 and 4, then stop
 
 
+def test_eval_stop_at_stops_after_consecutive_evals_and_checkpoints(tmp_path):
+    """eval.stop_at 0.9 / stop_after 2: evaluations 0.95, 0.5, 0.9, 1.0 (every 2 steps) stop
+    the run after step 8, which is then checkpointed although it is off the save cadence."""
+    cfg = cfg_with(tmp_path, "iterations=20", "storage.save_every=5", "eval.episodes=2",
+                   "eval.every=2", "eval.stop_at=0.9", "eval.stop_after=2")
+    scores = iter([0.95, 0.5, 0.9, 1.0])
+    log: list[Any] = []
+
+    class EvalRunner(Runner):
+        def submit(self, stage: str, *args: Any, after: Any = ()) -> Done:
+            out = super().submit(stage, *args, after=after)
+            if stage == "evaluate":
+                out.value["metrics"]["eval/success_rate"] = next(scores)
+            return out
+
+    driver = IterationDriver(RunSpec(cfg, "r"), EvalRunner(log), Factory(log))
+    seen = []
+    curve = driver.iterations(driver.start(), on_iteration=seen.append)
+    assert len(curve) == 8
+    assert [m.get("eval/stopped_early") for m in curve] == [None] * 7 + [1.0]
+    ckpts = [e[1] for e in log if e[0] == "checkpoint"]
+    assert ckpts == [5, 8]  # the cadence, then the stopping step
+    assert seen[-1].checkpoint is not None and seen[-2].checkpoint is None
+    assert log[-1] == ("rollout.set_version", 8)  # engines serve the saved version
+
+
 def test_busy_seconds_and_orchestration_split():
     from rollart.driver import control_plane_metrics
     from rollart.spans import busy_seconds

@@ -289,3 +289,31 @@ def test_action_format_credit_penalises_only_turns_without_action():
     assert env.step("Down")[1] == pytest.approx(0.0)  # lenient action: no penalty
     assert env.step("<answer>jump</answer>")[1] == pytest.approx(-0.1)
     assert env.step("<answer>Down</answer>")[1] == pytest.approx(0.0)
+
+
+def test_random_walk_success_the_default_config_cites() -> None:
+    """configs/default.yaml chose 20 turns because a uniform random walk on the 4x4 map reaches
+    G in 1.24 % of episodes, against 0.29 % in 8 turns: exact, by dynamic programming over the
+    env's own transition table."""
+    import gymnasium
+
+    env = gymnasium.make("FrozenLake-v1", map_name="4x4", is_slippery=False).unwrapped
+    nA = env.action_space.n
+
+    def success(turns: int) -> float:
+        p = {0: 1.0}  # state -> probability of being there, still walking
+        won = 0.0
+        for _ in range(turns):
+            nxt: dict[int, float] = {}
+            for s, ps in p.items():
+                for a in range(nA):
+                    ((_, s2, r, done),) = env.P[s][a]  # deterministic: one outcome
+                    if done:
+                        won += ps / nA * r
+                    else:
+                        nxt[s2] = nxt.get(s2, 0.0) + ps / nA
+            p = nxt
+        return won
+
+    assert round(success(8), 4) == 0.0029
+    assert round(success(20), 4) == 0.0124

@@ -43,3 +43,29 @@ def test_a_hung_actor_call_times_out_naming_service_and_method(client):
 
 def test_plain_objects_are_called_directly():
     assert call(Sleeper(), "nap", 0.0) == 0.0
+
+
+def test_flush_shards_skips_a_gone_worker_but_raises_a_live_workers_error():
+    """At the end of a run the scheduler may still list a worker whose host is gone (before its
+    heartbeat times out): its closed connection must not fail the run; a live worker that could
+    not write its shards must."""
+    from types import SimpleNamespace
+
+    from distributed.comm.core import CommClosedError
+
+    from rollart.dask_services import DaskServices
+
+    class Client:
+        def __init__(self, answers):
+            self.answers = answers
+
+        def run(self, fn, on_error):
+            assert on_error == "return"
+            return self.answers
+
+    gone = SimpleNamespace(client=Client({"a": 2, "b": CommClosedError("Address removed."),
+                                          "c": 1}))
+    assert DaskServices.flush_shards(gone) == 3
+    broken = SimpleNamespace(client=Client({"a": 2, "b": ValueError("disk full")}))
+    with pytest.raises(ValueError, match="disk full"):
+        DaskServices.flush_shards(broken)

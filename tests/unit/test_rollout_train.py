@@ -230,3 +230,38 @@ def test_split_head_logprobs_equal_the_full_forward(policy):
     assert on.sum() > 0 and bool((logp[~on] == 0).all()) and bool((ent[~on] == 0).all())
     torch.testing.assert_close(logp[on], ref_lp[on], rtol=0, atol=1e-5)
     torch.testing.assert_close(ent[on], ref_ent[on], rtol=0, atol=1e-5)
+
+
+def test_answer_grammar_spells_whole_answers_with_matching_logprobs(policy):
+    """Under the answer grammar every turn is one whole `<answer>{action}</answer>` + end of
+    turn; the tags and the end are forced (log-prob exactly 0), so the action is the only
+    choice, and the trainer's log-probs under the same per-position restriction equal the
+    engine's (the float32 tolerance of test_trajectory_mask_logprobs_and_versions)."""
+    model, tok = policy
+    chat = ChatFormat(tok)
+    task = TaskConfig(max_turns=3, constrained=True)
+    params = constrained_params(SamplingParams(max_new_tokens=4), chat, [task], grammar=True)
+    seqs = params[task.name].allowed_sequences
+    assert seqs == [[*chat.encode(f"<answer>{a}</answer>"), chat.eos_id]
+                    for a in ("Left", "Down", "Right", "Up")]
+    trajs = run_episodes(_specs(8, task), HFEngine(model, tok, seed=1).generate, chat, params)
+    actions = set()
+    for t in trajs:
+        assert t.allowed_sequences == seqs
+        turn: list[int] = []
+        for tok_id, m, lp in zip(t.token_ids + [-1], t.loss_mask + [0],
+                                 t.behaviour_logprobs + [0.0], strict=True):
+            if m:
+                if len(turn) != 1:  # everything but the action is forced
+                    assert lp == 0.0
+                turn.append(tok_id)
+            elif turn:
+                assert turn in seqs
+                actions.add(turn[1])
+                turn = []
+    assert len(actions) > 1  # the action is sampled, not fixed
+    tr = Trainer(model, AlgoConfig(), TrainConfig(), pad_id=tok.pad_token_id)
+    batch = collate(trajs, tok.pad_token_id, tr._vocab_size())
+    got = tr._logprobs(model, batch)
+    sel = batch.loss_mask > 0
+    assert torch.allclose(got[sel], batch.behaviour_logprobs[sel], atol=1e-4)

@@ -11,16 +11,23 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollart.arrow_schema import Float32, Int32, arrow_schema, arrow_type
-from rollart.types import TRAJECTORY_SCHEMA, Trajectory, trajectories_to_table
+from rollart.types import (
+    TRAJECTORY_SCHEMA,
+    Trajectory,
+    table_to_trajectories,
+    trajectories_to_table,
+)
 
 _KV = pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))
-# The schema as it was hand-written in rollart/types.py; shards on disk carry exactly this.
+# The schema as it was hand-written in rollart/types.py, plus the columns added since
+# (allowed_sequences: the answer grammar); shards on disk carry exactly this.
 WRITTEN_BEFORE = pa.schema([
     ("sample_id", pa.string()), ("task", pa.string()), ("env_id", pa.string()),
     ("group_id", pa.string()), ("seed", pa.int64()), ("iteration", pa.int64()),
     ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
     ("behaviour_logprobs", pa.list_(pa.float32())), ("token_versions", pa.list_(pa.int64())),
     ("allowed_token_ids", pa.list_(pa.int32())),
+    ("allowed_sequences", pa.list_(pa.list_(pa.int32()))),
     ("turns", pa.list_(pa.struct([
         ("index", pa.int32()), ("observation", pa.string()), ("response", pa.string()),
         ("action", pa.string()), ("format_ok", pa.bool_()), ("env_reward", pa.float64()),
@@ -47,6 +54,13 @@ def test_derived_schema_is_the_schema_shards_were_written_with(make_traj):
     rows = [make_traj(i).to_row() for i in range(2)]
     assert _parquet_bytes(trajectories_to_table([make_traj(i) for i in range(2)])) \
         == _parquet_bytes(pa.Table.from_pylist(rows, schema=WRITTEN_BEFORE))
+    # A shard written before allowed_sequences existed still reads (the column defaults).
+    older = pa.schema([f for f in WRITTEN_BEFORE if f.name != "allowed_sequences"])
+    for row in rows:
+        del row["allowed_sequences"]
+    back = table_to_trajectories(pa.Table.from_pylist(rows, schema=older))
+    assert [t.allowed_sequences for t in back] == [None, None]
+    assert [t.sample_id for t in back] == [make_traj(i).sample_id for i in range(2)]
 
 
 @dataclass
