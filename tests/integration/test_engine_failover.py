@@ -1,8 +1,9 @@
 """Engine replica loss through the real flow: two engine replicas on two real Dask workers of the
-engine class (nanny-managed). A hung worker: SIGSTOP for longer than the call deadline, then
-SIGCONT: the replica is failed over (its turns re-issued on the other one), then probed back
-into rotation; the run completes and the ledger accounts for every sample exactly once.
-(A `kill -9` variant is not in yet: see the README, "Failures and recovery".)
+engine class (nanny-managed). A killed worker (the process exits abruptly; its nanny starts a
+fresh one): the replica is failed over (its turns re-issued on the other one) and a sync goes on
+without it. A hung worker: SIGSTOP for longer than the call deadline, then SIGCONT: the replica
+is failed over, then probed back into rotation. Either way the run completes and the ledger
+accounts for every sample exactly once.
 """
 
 import os
@@ -87,3 +88,28 @@ def test_hung_engine_worker_is_failed_over_then_probed_back(prefect_api, tmp_pat
     revived = out["rollout"]["engines_revived"]
     assert [e["how"] for e in revived] == ["probe"], revived  # the same actor, back
     assert out["rollout"]["engines_alive"] == [True, True]
+
+
+def test_killed_engine_worker_fails_over_and_is_replaced(prefect_api, tmp_path):
+    def kill(client, store, done):
+        _after_first_row(store)
+        victim = _engine_workers(client)[0]
+        done["victim"] = victim
+        try:  # the worker process exits abruptly (its nanny starts a fresh one)
+            client.run(os._exit, 1, workers=[victim])
+        except Exception:
+            pass
+
+    out, rows, done = _train_with(prefect_api, tmp_path, "engine-kill", kill)
+    assert done.get("victim"), "no engine worker was killed"
+    counters = out["rollout"]["counters"]
+    print("engine kill:", counters, out["rollout"]["engines_revived"])  # shown with -s
+    assert counters.get("engines_lost") == 1, out["rollout"]["recent_errors"]
+    assert "failed" not in counters and "engine_errors" not in counters  # no episode paid
+    assert sum(r["perf/sync_skipped"] for r in rows) >= 1  # a sync went on without it
+    # The replacement on the restarted worker: once it is built (seconds on an idle host,
+    # minutes on a loaded one), the supervisor puts it in rotation with the current weights;
+    # whether that happens before this short run ends depends on the host, so it is checked
+    # in one process (tests/unit/test_engine_failover.py) and reported, not asserted, here.
+    for e in out["rollout"]["engines_revived"]:
+        assert e["how"] == "replacement" and out["rollout"]["engines_alive"] == [True, True]
