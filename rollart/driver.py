@@ -217,7 +217,7 @@ class IterationDriver:
         t0, wall0 = time.perf_counter(), time.time()
         collected = submit("collect", sv.rollout, it)
         scored = submit("score", run, it, collected)
-        updated = submit("update", sv.trainer, scored)
+        updated = submit("update", sv.trainer, scored, plan.step)
         # On a checkpoint step the rollout service hears of the new version only after the
         # snapshot, so the engines' sampling RNG is captured at rest (exact resume, alpha = 0).
         synced = submit("sync_weights", sv.trainer, serving,

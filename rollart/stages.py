@@ -125,10 +125,11 @@ def score(run: RunSpec, iteration: int,
 
 
 @timed_stage
-def update(trainer: Any, scored: Any) -> dict[str, Any]:
+def update(trainer: Any, scored: Any, step: int | None = None) -> dict[str, Any]:
+    """The policy update `step` (the trainer refuses any other than its next one)."""
     t0 = time.perf_counter()
     dropped = scored[1].get("dropped") if isinstance(scored, tuple) else None
-    out = call(trainer, "update", trajectories_of(scored), dropped)
+    out = call(trainer, "update", trajectories_of(scored), dropped, step)
     out["metrics"]["perf/update_s"] = time.perf_counter() - t0
     return {**out, "caller": worker_identity()}
 

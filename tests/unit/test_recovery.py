@@ -94,3 +94,49 @@ def test_before_the_first_checkpoint_there_is_nothing_to_restart_from(tmp_path):
     with pytest.raises(RuntimeError, match="lost before the run's first complete checkpoint"):
         run_with_restarts(lambda a: _Driver(OSError("gone"), trainer_alive=False), store,
                           max_restarts=2, resume_step=None)
+
+
+def test_a_rerun_update_is_refused_before_it_touches_the_policy(tmp_path):
+    """A finished `update` stage that Dask runs again (its result lived on a worker that died)
+    must not apply the batch twice: the real trainer refuses any step but its next one, with
+    its weights, step and ledger untouched; the run then goes on."""
+    from pathlib import Path
+
+    from rollart.config import load_config
+    from rollart.driver import InProcessRunner, IterationDriver
+    from rollart.local_loop import LocalServices
+    from rollart.run import RunSpec
+    from rollart.services.trainer import UpdateOutOfOrder
+
+    class Keeping(InProcessRunner):  # keeps what each stage returned
+        def __init__(self) -> None:
+            self.values: dict[str, object] = {}
+
+        def submit(self, stage, *args, after=()):
+            done = super().submit(stage, *args, after=after)
+            self.values[stage] = done
+            return done
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "default.yaml"), [
+        "rollout.num_groups=2", "rollout.group_size=2", "tasks.0.max_turns=2",
+        "eval.episodes=0", "reward.backend=local", "iterations=2", f"storage.root={tmp_path}"])
+    run, runner = RunSpec(cfg, "rerun"), Keeping()
+    driver = IterationDriver(run, runner, LocalServices(run))
+    driver.start()
+    try:
+        driver.iteration(0)
+        trainer = driver.svc.trainer
+        before = (trainer.fingerprint(), trainer.trainer.step, trainer.ckpt.ledger.counts())
+        with pytest.raises(UpdateOutOfOrder, match="update for step 1 reached a trainer at "
+                                                   "step 1"):
+            runner.submit("update", trainer, runner.values["score"], 1)
+        assert (trainer.fingerprint(), trainer.trainer.step,
+                trainer.ckpt.ledger.counts()) == before
+        with pytest.raises(UpdateOutOfOrder):  # nor a step that skips one
+            runner.submit("update", trainer, runner.values["score"], 3)
+        driver.iteration(1)  # the next update is accepted
+        assert trainer.trainer.step == 2
+        driver.finish()
+    except BaseException:
+        driver.abort()
+        raise
