@@ -74,7 +74,10 @@ class DaskServices:
         return self.client.submit(cls, self.run, *args, actor=True, **where).result()
 
     def trainer(self) -> Actor:
-        actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1})
+        # A key per attempt: a restarted run never gets the lost trainer's key (which Dask may
+        # still be re-creating on the restarted worker) back as its "new" trainer.
+        actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1},
+                            key=f"trainer-{self.run.run_id}-{self.attempt}")
         self.placed("trainer_service", call(actor, "where"))
         return actor
 

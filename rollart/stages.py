@@ -15,7 +15,7 @@ import torch
 
 from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import dump_config
-from rollart.handles import attach, call, worker_identity
+from rollart.handles import attach, call, set_call_timeout, worker_identity
 from rollart.metrics import reward_metrics, rollout_metrics
 from rollart.models.run_model import chat_format, prepare_tokenizer
 from rollart.rewards.client import make_reward_client
@@ -29,9 +29,13 @@ from rollart.storage.background import shard_writer
 from rollart.types import SamplingParams, Trajectory
 
 
-def run_stage(stage: str, *args: Any) -> Any:
+def run_stage(stage: str, *args: Any, call_timeout_s: float | None = None) -> Any:
     """Stage `stage` with its actor handles re-attached (`rollart.handles.detach`): how a flow
-    submits a stage as a raw Dask task without making it depend on every actor it calls."""
+    submits a stage as a raw Dask task without making it depend on every actor it calls.
+    `call_timeout_s`: the run's call deadline, set in this worker process first (a worker
+    that (re)joined mid-run has no service yet that would have set it)."""
+    if call_timeout_s is not None:
+        set_call_timeout(call_timeout_s)
     return globals()[stage](*attach(args))
 
 

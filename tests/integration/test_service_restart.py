@@ -73,7 +73,7 @@ def _run_and_kill(prefect_api, tmp_path, run_id, workers, pick):
 
 def test_killed_trainer_worker_resumes_from_the_latest_checkpoint(prefect_api, tmp_path):
     out = _run_and_kill(prefect_api, tmp_path, "trainer-kill", {"H800": 1, "H20": 1, "CPU": 1},
-                        lambda client: _holding(client, "TrainerService")[0])
+                        lambda client: _holding(client, "trainer-")[0])
     [restart] = out["restarts"]
     assert restart["lost"] == "trainer" and restart["from_checkpoint"] >= 2, restart
 

@@ -41,6 +41,32 @@ def test_a_hung_actor_call_times_out_naming_service_and_method(client):
         set_call_timeout(old)
 
 
+class SlowLoader:
+    def load_checkpoint(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_stage_task_calls_with_the_runs_deadline(client):
+    """A stage submitted as a raw Dask task (the flow's threads runner) runs under the run's
+    call deadline even on a worker where no service set it (a worker that rejoined mid-run)."""
+    from rollart.handles import detach
+    from rollart.stages import run_stage
+
+    actor = client.submit(SlowLoader, actor=True).result()
+    old = call_timeout()
+    set_call_timeout(None)  # a fresh worker process: no deadline installed by anyone
+    try:
+        t0 = time.monotonic()
+        fut = client.submit(run_stage, "load_checkpoint_weights", detach(actor), 3.0,
+                            call_timeout_s=0.3, pure=False)
+        with pytest.raises(CallTimeoutError, match=r"SlowLoader\.load_checkpoint"):
+            fut.result(timeout=10)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        set_call_timeout(old)
+
+
 def test_plain_objects_are_called_directly():
     assert call(Sleeper(), "nap", 0.0) == 0.0
 
