@@ -54,6 +54,43 @@ def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "de
             "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
 
 
+class ServiceLostError(OSError):
+    """The worker holding a service left the cluster while a call to it was waiting (an
+    `OSError`, like a closed connection: the caller treats it as a lost service)."""
+
+
+def _worker_present(handle: Any) -> bool:
+    """Whether the scheduler still lists the worker holding actor `handle` (True for plain
+    objects, or when the scheduler cannot be asked: only a sure absence counts)."""
+    address = getattr(handle, "_address", None)
+    if address is None:
+        return True
+    try:
+        from distributed import get_client
+
+        return address in get_client().scheduler_info()["workers"]
+    except Exception:
+        return True
+
+
+def call_while_present(handle: Any, method: str, *args: Any, poll_s: float = 5.0) -> Any:
+    """A call with no deadline (it waits for data by design, e.g. a batch of rollouts) that
+    still fails, with `ServiceLostError`, once the service's worker has left the cluster: a
+    call to a dead worker's actor otherwise waits for ever (Dask waits for the actor to be
+    re-created, and an actor pinned to its worker never is)."""
+    out = getattr(handle, method)(*args)
+    if not (hasattr(out, "result") and callable(out.result)):
+        return out
+    while True:
+        try:
+            return out.result(timeout=poll_s)
+        except TimeoutError:
+            if not _worker_present(handle):
+                raise ServiceLostError(
+                    f"{service_name(handle)}.{method}: its worker {handle._address} left the "
+                    "cluster while the call waited") from None
+
+
 @dataclass(frozen=True)
 class ActorRef:
     """A Dask actor handle by class, worker address and key, without the actor's task as a

@@ -75,8 +75,11 @@ class EngineSupervisor:
             try:
                 self.check_once()
             except Exception as err:  # e.g. the rollout service's worker is gone: the driver
-                self.errors.append(f"{type(err).__name__}: {err}")  # sees that on its own
-                log.warning("engine supervisor: %s: %s", type(err).__name__, err)
+                text = f"{type(err).__name__}: {err}"  # sees that on its own
+                if not self.errors or self.errors[-1] != text:  # once per distinct error,
+                    log.warning("engine supervisor: %s", text)  # not once per second
+                self.errors.append(text)
+                del self.errors[:-100]
 
     def check_once(self) -> list[int]:
         """One round: returns the replica indices brought back."""

@@ -15,7 +15,7 @@ import torch
 
 from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import dump_config
-from rollart.handles import attach, call, set_call_timeout, worker_identity
+from rollart.handles import attach, call, call_while_present, set_call_timeout, worker_identity
 from rollart.metrics import reward_metrics, rollout_metrics
 from rollart.models.run_model import chat_format, prepare_tokenizer
 from rollart.rewards.client import make_reward_client
@@ -90,8 +90,9 @@ def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, A
     ran (and were rewarded as each ended) while earlier updates trained, as far as
     `rollout.max_staleness` allows; this waits only for what is still missing."""
     t0 = time.perf_counter()
-    # Waits for data, as long as rollouts take: no call deadline (episodes have their own).
-    trajs, info = call(rollout, "take_batch", iteration, timeout=None)
+    # Waits for data, as long as rollouts take: no call deadline (episodes have their own),
+    # but not past the loss of the rollout service's worker.
+    trajs, info = call_while_present(rollout, "take_batch", iteration)
     m = info["metrics"]
     m["perf/rollout_s"] = time.perf_counter() - t0  # time the trainer waited for rollouts
     return trajs, {**info, **worker_identity()}

@@ -67,6 +67,40 @@ def test_a_stage_task_calls_with_the_runs_deadline(client):
         set_call_timeout(old)
 
 
+def test_a_waiting_call_ends_when_its_worker_leaves_the_cluster():
+    """`call_while_present` from a task on another worker (how the collect stage waits for a
+    batch): no deadline while the service's worker is there (a long wait is answered), a
+    `ServiceLostError` (an OSError: a lost service) soon after that worker is killed. A plain
+    actor call there waits for the actor to be re-created, which a pinned actor never is."""
+    import os
+    import threading
+
+    from rollart.handles import ServiceLostError, attach, call_while_present, detach
+
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0",
+                      worker_dashboard_address=":0") as cluster, Client(cluster) as c:
+        a, b = sorted(c.scheduler_info()["workers"])
+        ev = c.submit(threading.Event, actor=True, workers=[b]).result()  # held: kept alive
+        ref = detach(ev)
+
+        def wait_on(r, seconds):  # runs on worker a
+            return call_while_present(attach(r), "wait", seconds, poll_s=0.2)
+
+        # Event.wait(0.8) returns False after 0.8 s: polled every 0.2 s, its worker is there.
+        assert c.submit(wait_on, ref, 0.8, workers=[a], pure=False).result(timeout=30) is False
+        waiting = c.submit(wait_on, ref, 120, workers=[a], pure=False)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        try:  # the worker process exits abruptly (its nanny starts a new one)
+            c.run(os._exit, 1, workers=[b])
+        except Exception:
+            pass
+        with pytest.raises(ServiceLostError, match="left the cluster"):
+            waiting.result(timeout=60)
+        assert issubclass(ServiceLostError, OSError)
+        assert time.monotonic() - t0 < 40
+
+
 def test_plain_objects_are_called_directly():
     assert call(Sleeper(), "nap", 0.0) == 0.0
 
