@@ -10,10 +10,12 @@ caller's thread: nothing crosses a worker, so there is nothing to time out.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_CALL_TIMEOUT_S = 600.0  # = ClusterConfig.call_timeout_s's default
+PRESENCE_POLL_S = 5.0  # a waiting call asks whether its service's worker is still there
 _call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S
 
 
@@ -39,19 +41,29 @@ def service_name(handle: Any) -> str:
 def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "default") -> Any:
     """A Dask actor call (returns a future) or a plain method call, uniformly. `timeout`:
     seconds, None for no deadline (a call that waits for data by design), or the process's
-    deadline (`set_call_timeout`) by default."""
+    deadline (`set_call_timeout`) by default. A call with a deadline also ends early, with
+    `ServiceLostError`, once the service's worker has left the cluster (checked every
+    `PRESENCE_POLL_S` of waiting): a dead worker's call otherwise lasts the whole deadline."""
     out = getattr(handle, method)(*args)
     if not (hasattr(out, "result") and callable(out.result)):
         return out
     limit = _call_timeout_s if timeout == "default" else timeout
-    try:
-        return out.result(timeout=limit)
-    except TimeoutError as err:
-        if limit is None:
-            raise
-        raise CallTimeoutError(
-            f"{service_name(handle)}.{method} did not answer within {limit:g}s "
-            "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
+    if limit is None:
+        return out.result()
+    end = time.monotonic() + limit
+    while True:
+        left = end - time.monotonic()
+        try:
+            return out.result(timeout=max(min(PRESENCE_POLL_S, left), 0.0))
+        except TimeoutError as err:
+            if left <= PRESENCE_POLL_S:
+                raise CallTimeoutError(
+                    f"{service_name(handle)}.{method} did not answer within {limit:g}s "
+                    "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
+            if not _worker_present(handle):
+                raise ServiceLostError(
+                    f"{service_name(handle)}.{method}: its worker {handle._address} left the "
+                    "cluster while the call waited") from None
 
 
 class ServiceLostError(OSError):

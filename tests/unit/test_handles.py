@@ -71,7 +71,8 @@ def test_a_waiting_call_ends_when_its_worker_leaves_the_cluster():
     """`call_while_present` from a task on another worker (how the collect stage waits for a
     batch): no deadline while the service's worker is there (a long wait is answered), a
     `ServiceLostError` (an OSError: a lost service) soon after that worker is killed. A plain
-    actor call there waits for the actor to be re-created, which a pinned actor never is."""
+    actor call there waits for the actor to be re-created, which a pinned actor never is; a
+    `call` with a deadline ends the same way, well before its deadline."""
     import os
     import threading
 
@@ -86,9 +87,13 @@ def test_a_waiting_call_ends_when_its_worker_leaves_the_cluster():
         def wait_on(r, seconds):  # runs on worker a
             return call_while_present(attach(r), "wait", seconds, poll_s=0.2)
 
+        def call_on(r, seconds):  # a call with a 120 s deadline, also on worker a
+            return call(attach(r), "wait", seconds, timeout=120)
+
         # Event.wait(0.8) returns False after 0.8 s: polled every 0.2 s, its worker is there.
         assert c.submit(wait_on, ref, 0.8, workers=[a], pure=False).result(timeout=30) is False
         waiting = c.submit(wait_on, ref, 120, workers=[a], pure=False)
+        deadline = c.submit(call_on, ref, 110, workers=[a], pure=False)
         time.sleep(1.0)
         t0 = time.monotonic()
         try:  # the worker process exits abruptly (its nanny starts a new one)
@@ -97,6 +102,8 @@ def test_a_waiting_call_ends_when_its_worker_leaves_the_cluster():
             pass
         with pytest.raises(ServiceLostError, match="left the cluster"):
             waiting.result(timeout=60)
+        with pytest.raises(ServiceLostError, match=r"Event\.wait: its worker"):
+            deadline.result(timeout=60)  # not the whole 120 s deadline
         assert issubclass(ServiceLostError, OSError)
         assert time.monotonic() - t0 < 40
 
