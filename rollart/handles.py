@@ -80,9 +80,13 @@ def _worker_present(handle: Any) -> bool:
     try:
         from distributed import get_client
 
-        return address in get_client().scheduler_info()["workers"]
+        # Asked of the scheduler each time: `Client.scheduler_info()` may answer from a cache
+        # (empty, or stale) without saying so.
+        client = get_client()
+        workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
     except Exception:
         return True
+    return not workers or address in workers  # no worker listed at all: not an answer
 
 
 def call_while_present(handle: Any, method: str, *args: Any, poll_s: float = 5.0) -> Any:
