@@ -13,12 +13,14 @@ import time
 
 import pytest
 
-# A killed worker, its restart and a replacement take minutes on a busy 2-core host.
+# A killed worker, its restart and a replacement take minutes on a busy 2-core host. The call
+# deadline is 60 s: a policy update took ~34 s on this 2-core host shared with a benchmark,
+# and a 30 s deadline there made a slow trainer look lost.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 BASE = ["rollout.num_groups=2", "rollout.group_size=4", "tasks.0.max_turns=4", "eval.episodes=4",
         "eval.every=3", "reward.backend=local", "cluster.dashboard=false",
-        "storage.save_every=100", "engine.replicas=2", "cluster.call_timeout_s=30",
+        "storage.save_every=100", "engine.replicas=2", "cluster.call_timeout_s=60",
         "rollout.engine_wait_timeout_s=120"]
 WORKERS = {"H800": 1, "H20": 2, "CPU": 1}
 
@@ -75,16 +77,16 @@ def test_hung_engine_worker_is_failed_over_then_probed_back(prefect_api, tmp_pat
         _after_first_row(store)
         victim = _engine_workers(client)[-1]
         pid = client.run(os.getpid, workers=[victim])[victim]
-        os.kill(pid, signal.SIGSTOP)  # longer than cluster.call_timeout_s (30 s)
+        os.kill(pid, signal.SIGSTOP)  # longer than cluster.call_timeout_s (60 s)
         done["stopped"] = time.monotonic()
-        time.sleep(45)
+        time.sleep(75)
         os.kill(pid, signal.SIGCONT)
 
     out, rows, done = _train_with(prefect_api, tmp_path, "engine-hang", hang)
     assert done.get("stopped"), "no engine worker was stopped"
     counters = out["rollout"]["counters"]
     assert counters.get("engines_lost") == 1, out["rollout"]["recent_errors"]
-    assert any("did not answer within 30s" in e for e in out["rollout"]["recent_errors"])
+    assert any("did not answer within 60s" in e for e in out["rollout"]["recent_errors"])
     revived = out["rollout"]["engines_revived"]
     assert [e["how"] for e in revived] == ["probe"], revived  # the same actor, back
     assert out["rollout"]["engines_alive"] == [True, True]
