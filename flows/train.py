@@ -30,6 +30,7 @@ from rollart.config import ConfigError, check_run_id, load_config
 from rollart.dask_services import DaskServices
 from rollart.driver import IterationDriver, IterationResult, Placement
 from rollart.metrics import summary_row
+from rollart.recovery import run_with_restarts
 from rollart.run import RunSpec
 from rollart.storage.lock import run_lock
 from rollart.storage.resume import ResumeError, describe, start_run
@@ -121,23 +122,29 @@ def iterations(run: RunSpec, address: str, resume_step: int | None = None) -> di
     with Client(address) as client:
         if cfg.storage.credentials_block:  # workers resolve the secret block themselves
             client.register_plugin(CredentialsResolverPlugin())
-        driver = IterationDriver(run, PrefectStages(cfg), DaskServices(client, run, placed),
-                                 placed)
-        try:
-            first = driver.start(resume_step)
-            if driver.restored is not None:
-                logger.info("Restored checkpoint %d: policy version %d, next iteration %d, "
-                            "ledger %s", resume_step, driver.restored["version"], first,
-                            driver.restored["ledger"])
-            logger.info("Run %s: store %s; %d engine replica(s), %d env host(s), max_staleness "
-                        "%d", run_id, driver.store.url, len(driver.svc.engines),
-                        len(driver.svc.hosts), cfg.rollout.max_staleness)
-            progress.note(f"Checkpoints and metrics under {driver.store.url}")
-            curve = driver.iterations(first, report)
-            done = driver.finish()
-        except BaseException:
-            driver.abort()
-            raise
+        services = DaskServices(client, run, placed)
+
+        def make_driver(attempt: int) -> IterationDriver:
+            if attempt:  # a lost trainer or rollout service: new actors where workers are now
+                services.restart()
+            return IterationDriver(run, PrefectStages(cfg), services, placed)
+
+        def restarted(r: dict[str, Any]) -> None:
+            logger.warning("The %s was lost: restarting from checkpoint %d (restart %d of %d)",
+                           r["lost"], r["from_checkpoint"], r["attempt"],
+                           cfg.cluster.max_restarts)
+            progress.note(f"Restart {r['attempt']}: the {r['lost']} was lost; resumed from "
+                          f"checkpoint {r['from_checkpoint']}")
+
+        driver, curve, done, restarts = run_with_restarts(
+            make_driver, RunSpec(cfg, run_id).store(), cfg.cluster.max_restarts, resume_step,
+            report, restarted, probe_timeout_s=cfg.cluster.call_timeout_s)
+        if driver.restored is not None:
+            logger.info("Restored checkpoint: policy version %d, ledger %s",
+                        driver.restored["version"], driver.restored["ledger"])
+        logger.info("Run %s: store %s; %d engine replica(s), %d env host(s), max_staleness %d",
+                    run_id, driver.store.url, len(driver.svc.engines), len(driver.svc.hosts),
+                    cfg.rollout.max_staleness)
         logger.info("Rollout service: %s", done["rollout"]["counters"])
         logger.info("Uploads finished: %d checkpoint/weight upload(s), %d shard(s)",
                     len(done["uploads"]), done["shards_flushed"])
@@ -151,4 +158,5 @@ def iterations(run: RunSpec, address: str, resume_step: int | None = None) -> di
         "fingerprints": done["fingerprints"],
         "resumed_from": resume_step,
         "rollout": done["rollout"],
+        "restarts": restarts,
     }

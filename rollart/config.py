@@ -165,6 +165,10 @@ class RolloutConfig(_Strict):
     max_consecutive_failures: int = Field(64, ge=0)
     env_timeout_s: float = Field(60.0, gt=0.0)  # one env reset/step; past it the episode fails
     env_host_threads: int = Field(64, gt=0)  # concurrent env calls per env host (CPU worker)
+    # A lost engine replica's turns go to the others; with none left, episodes wait this long
+    # for one to come back (a replacement on a (re)joining worker of its class), then the run
+    # fails naming the cause.
+    engine_wait_timeout_s: float = Field(300.0, gt=0.0)
     # "lockstep": an engine's batch waits for a turn of every live episode on it (the classic
     # synchronous rollout; deterministic, so resume is exact). "continuous": whatever turns are
     # ready go (turn-level continuous batching; episodes never wait for each other).

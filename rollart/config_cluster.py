@@ -189,6 +189,10 @@ class ClusterConfig(_Strict):
     # service and method instead of hanging the run. Generous: a policy update of a large
     # model is one such call. Waiting for a batch (`take_batch`) has no deadline.
     call_timeout_s: float = Field(600.0, gt=0.0)
+    # A lost trainer or rollout service (its worker died or hung past call_timeout_s): the run
+    # re-creates its services and resumes from the latest complete checkpoint, in the same flow
+    # run, at most this many times (rollart/recovery.py); 0: the run fails instead.
+    max_restarts: int = Field(2, ge=0)
     # How the flow runs its stage tasks (both keep every stage on a worker of its class):
     # "threads": Prefect tasks on a thread pool in the flow process, each submitting its stage
     #   as a raw Dask task annotated with the class (~ms of Prefect overhead per task);

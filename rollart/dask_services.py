@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from distributed import Client
@@ -46,12 +47,37 @@ class DaskServices:
         self.client, self.run, self.placed = client, run, placed
         self.roles = run.cfg.cluster.stages
         self.classes = check_classes(client, run.cfg)
+        self.attempt = 0  # a fresh set of actor keys per (re)start of the run's services
+        self.engine_addr: dict[int, str] = {}  # replica index -> its worker
+        self.replacements = 0
+        self.building: dict[int, tuple[Any, str]] = {}  # replica index -> (actor future, worker)
+
+    def restart(self) -> None:
+        """Before the services are created again (a lost trainer or rollout service): fresh
+        actor keys, and the workers that are there now."""
+        self.attempt += 1
+        # The lost worker's replacement (a nanny restart, the cluster manager) may still be on
+        # its way: wait for every class, as long as a call may take.
+        deadline = time.monotonic() + self.run.cfg.cluster.call_timeout_s
+        while True:
+            try:
+                self.classes = check_classes(self.client, self.run.cfg)
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self.engine_addr.clear()
+        self.building.clear()
 
     def _actor(self, cls: type, *args: Any, **where: Any) -> Actor:
         return self.client.submit(cls, self.run, *args, actor=True, **where).result()
 
     def trainer(self) -> Actor:
-        actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1})
+        # A key per attempt: a restarted run never gets the lost trainer's key (which Dask may
+        # still be re-creating on the restarted worker) back as its "new" trainer.
+        actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1},
+                            key=f"trainer-{self.run.run_id}-{self.attempt}")
         self.placed("trainer_service", call(actor, "where"))
         return actor
 
@@ -59,15 +85,48 @@ class DaskServices:
         cfg, run_id = self.run.cfg, self.run.run_id
         out = []
         for r, hw in enumerate(cfg.cluster.engine_classes(cfg.engine.replicas)):
-            actor = self._actor(EngineService, r, resources={hw: 1}, key=f"engine-{run_id}-{r}")
-            self.placed("engine_service", call(actor, "where"))
+            actor = self._actor(EngineService, r, resources={hw: 1},
+                                key=f"engine-{run_id}-{self.attempt}-{r}")
+            self.engine_addr[r] = self.placed("engine_service", call(actor, "where"))["address"]
             out.append(actor)
         return out
+
+    def replace_engine(self, index: int) -> Actor | None:
+        """A new replica `index` on a worker of its class that holds no other replica (one
+        that (re)joined), or None while there is none or it is still being built (the next
+        call picks it up: one creation per replica at a time). The lost replica's own worker is
+        not used: it may be hung rather than gone, and the supervisor probes it instead."""
+        cfg = self.run.cfg
+        if index in self.building:
+            fut, addr = self.building[index]
+            if not fut.done():
+                return None
+            del self.building[index]
+            if fut.status != "finished":  # its worker went too: try another at the next call
+                return None
+            actor = fut.result()
+            self.engine_addr[index] = self.placed("engine_service",
+                                                  call(actor, "where"))["address"]
+            return actor
+        hw = cfg.cluster.engine_classes(cfg.engine.replicas)[index]
+        taken = set(self.engine_addr.values()) | {a for _, a in self.building.values()}
+        free = [a for a in worker_classes(self.client).get(hw, []) if a not in taken]
+        if free:
+            self.replacements += 1
+            self.building[index] = (self.client.submit(
+                EngineService, self.run, index, actor=True, workers=[free[0]],
+                resources={hw: 1},
+                key=f"engine-{self.run.run_id}-{self.attempt}-{index}-r{self.replacements}",
+            ), free[0])
+        return None
+
+    def engine_ref(self, engine: Actor) -> tuple[str, str]:
+        return engine.key, engine._address
 
     def env_hosts(self) -> list[Actor]:
         workers = self.classes[self.roles["env"]]
         return [self._actor(EnvHostService, workers=[addr],
-                            key=f"env-host-{self.run.run_id}-{i}")
+                            key=f"env-host-{self.run.run_id}-{self.attempt}-{i}")
                 for i, addr in enumerate(workers)]
 
     def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Actor:
@@ -76,8 +135,9 @@ class DaskServices:
         # env host; losing that worker ends the run (resume from the last checkpoint).
         refs = [(h.key, self.placed("env_host", call(h, "stats"))["address"]) for h in hosts]
         return self.client.submit(
-            RolloutServiceActor, self.run, engines, refs, version, actor=True,
-            workers=[self.classes[self.roles["env"]][0]], key=f"rollout-{self.run.run_id}",
+            RolloutServiceActor, self.run, [self.engine_ref(e) for e in engines], refs, version,
+            actor=True, workers=[self.classes[self.roles["env"]][0]],
+            key=f"rollout-{self.run.run_id}-{self.attempt}",
         ).result()
 
     def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]:

@@ -25,8 +25,9 @@ from typing import Any, Protocol
 
 from rollart import stages
 from rollart.config import RunConfig
-from rollart.handles import call, set_call_timeout
+from rollart.handles import call, release, set_call_timeout
 from rollart.metric_sinks import make_sinks
+from rollart.recovery import EngineSupervisor
 from rollart.run import RunSpec
 from rollart.spans import SPAN, busy_seconds, info_of
 
@@ -178,6 +179,7 @@ class IterationDriver:
         self.sinks = make_sinks(run.cfg, run.run_id)
         self.svc: Services | None = None
         self.restored: dict[str, Any] | None = None
+        self.supervisor: EngineSupervisor | None = None
         self.t_start = time.perf_counter()
 
     # ---- start ---------------------------------------------------------------------------
@@ -200,6 +202,9 @@ class IterationDriver:
                 self.restored["rollout"] = call(rollout, "restore_state", state, pending)
         self.placed("rollout_service", call(rollout, "start") or {})
         self.svc = Services(trainer, engines, hosts, rollout)
+        if hasattr(f, "replace_engine"):  # replicas on workers that can be lost: bring them back
+            self.supervisor = EngineSupervisor(engines, trainer, rollout, f, stages.push_weights)
+            self.supervisor.start()
         self.t_start = time.perf_counter()
         return first
 
@@ -208,17 +213,18 @@ class IterationDriver:
         assert self.svc is not None, "start() first"
         sv, run, submit, placed = self.svc, self.run, self.runner.submit, self.placed
         plan = plan_step(self.cfg, it, self.eval_every)
+        serving, slots = self.serving(), self.slots()  # lost replicas are skipped
         t0, wall0 = time.perf_counter(), time.time()
         collected = submit("collect", sv.rollout, it)
         scored = submit("score", run, it, collected)
-        updated = submit("update", sv.trainer, scored)
+        updated = submit("update", sv.trainer, scored, plan.step)
         # On a checkpoint step the rollout service hears of the new version only after the
         # snapshot, so the engines' sampling RNG is captured at rest (exact resume, alpha = 0).
-        synced = submit("sync_weights", sv.trainer, sv.engines,
+        synced = submit("sync_weights", sv.trainer, serving,
                         None if plan.checkpoint else sv.rollout, plan.step, after=[updated])
-        ckpt = submit("checkpoint", sv.trainer, plan.step, {"iteration": it}, sv.engines,
+        ckpt = submit("checkpoint", sv.trainer, plan.step, {"iteration": it}, slots,
                       sv.rollout, after=[updated]) if plan.checkpoint else None
-        ev = submit("evaluate", run, sv.engines, self.cfg.eval.episodes,
+        ev = submit("evaluate", run, serving, self.cfg.eval.episodes,
                     after=[synced]) if plan.evaluate else None
 
         m: dict[str, Any] = {"iteration": float(it), "version": float(plan.step)}
@@ -272,12 +278,22 @@ class IterationDriver:
                 break
         return curve
 
+    def serving(self) -> list[Any]:
+        """The engine replicas in rotation (all of them without a supervisor)."""
+        assert self.svc is not None
+        return self.supervisor.serving() if self.supervisor else list(self.svc.engines)
+
+    def slots(self) -> list[Any]:
+        """One entry per replica index, None for a lost one."""
+        assert self.svc is not None
+        return self.supervisor.slots() if self.supervisor else list(self.svc.engines)
+
     def checkpoint(self, plan: StepPlan) -> dict[str, Any]:
         """Checkpoint the policy of `plan.step` outside the cadence (an early stop)."""
         assert self.svc is not None, "start() first"
         sv = self.svc
         saved = self.placed("checkpoint", self.runner.info(self.runner.submit(
-            "checkpoint", sv.trainer, plan.step, {"iteration": plan.iteration}, sv.engines,
+            "checkpoint", sv.trainer, plan.step, {"iteration": plan.iteration}, self.slots(),
             sv.rollout)))
         call(sv.rollout, "set_version", plan.step)
         return saved
@@ -288,7 +304,9 @@ class IterationDriver:
         durable before this returns."""
         assert self.svc is not None, "start() first"
         sv = self.svc
+        self._stop_supervisor()
         rollout_stats = call(sv.rollout, "stop")
+        rollout_stats["engines_revived"] = self.supervisor.events if self.supervisor else []
         rollout_stats["env_hosts"] = self.factory.host_stats(sv.hosts)
         # Waits for uploads as long as they take (each store operation has its own retry
         # budget, storage.retry_timeout_s): a large checkpoint may outlast any call deadline.
@@ -297,16 +315,28 @@ class IterationDriver:
         self._close_sinks()
         return {"rollout": rollout_stats, "uploads": uploads, "shards_flushed": shards,
                 "fingerprints": {"trainer": call(sv.trainer, "fingerprint"),
-                                 "engine": call(sv.engines[0], "fingerprint")}}
+                                 "engine": call(self.serving()[0], "fingerprint")}}
+
+    def _stop_supervisor(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     def _close_sinks(self) -> None:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
 
+    def release(self) -> None:
+        """After `abort`, before the services are created again: let the cluster forget these."""
+        if self.svc is not None:
+            sv = self.svc
+            for handle in [sv.trainer, sv.rollout, *sv.engines, *sv.hosts]:
+                release(handle)
+
     def abort(self) -> None:
         """After a failure: stop the rollout service's episodes (best effort)."""
         self._close_sinks()
+        self._stop_supervisor()
         if self.svc is not None and self.svc.rollout is not None:
             try:
                 call(self.svc.rollout, "stop")

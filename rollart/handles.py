@@ -10,9 +10,12 @@ caller's thread: nothing crosses a worker, so there is nothing to time out.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_CALL_TIMEOUT_S = 600.0  # = ClusterConfig.call_timeout_s's default
+PRESENCE_POLL_S = 5.0  # a waiting call asks whether its service's worker is still there
 _call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S
 
 
@@ -38,19 +41,116 @@ def service_name(handle: Any) -> str:
 def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "default") -> Any:
     """A Dask actor call (returns a future) or a plain method call, uniformly. `timeout`:
     seconds, None for no deadline (a call that waits for data by design), or the process's
-    deadline (`set_call_timeout`) by default."""
+    deadline (`set_call_timeout`) by default. A call with a deadline also ends early, with
+    `ServiceLostError`, once the service's worker has left the cluster (checked every
+    `PRESENCE_POLL_S` of waiting): a dead worker's call otherwise lasts the whole deadline."""
     out = getattr(handle, method)(*args)
     if not (hasattr(out, "result") and callable(out.result)):
         return out
     limit = _call_timeout_s if timeout == "default" else timeout
+    if limit is None:
+        return out.result()
+    end = time.monotonic() + limit
+    while True:
+        left = end - time.monotonic()
+        try:
+            return out.result(timeout=max(min(PRESENCE_POLL_S, left), 0.0))
+        except TimeoutError as err:
+            if left <= PRESENCE_POLL_S:
+                raise CallTimeoutError(
+                    f"{service_name(handle)}.{method} did not answer within {limit:g}s "
+                    "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
+            if not _worker_present(handle):
+                raise ServiceLostError(
+                    f"{service_name(handle)}.{method}: its worker {handle._address} left the "
+                    "cluster while the call waited") from None
+
+
+class ServiceLostError(OSError):
+    """The worker holding a service left the cluster while a call to it was waiting (an
+    `OSError`, like a closed connection: the caller treats it as a lost service)."""
+
+
+def _worker_present(handle: Any) -> bool:
+    """Whether the scheduler still lists the worker holding actor `handle` (True for plain
+    objects, or when the scheduler cannot be asked: only a sure absence counts)."""
+    address = getattr(handle, "_address", None)
+    if address is None:
+        return True
     try:
-        return out.result(timeout=limit)
-    except TimeoutError as err:
-        if limit is None:
-            raise
-        raise CallTimeoutError(
-            f"{service_name(handle)}.{method} did not answer within {limit:g}s "
-            "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
+        from distributed import get_client
+
+        # Asked of the scheduler each time: `Client.scheduler_info()` may answer from a cache
+        # (empty, or stale) without saying so.
+        client = get_client()
+        workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    except Exception:
+        return True
+    return not workers or address in workers  # no worker listed at all: not an answer
+
+
+def call_while_present(handle: Any, method: str, *args: Any, poll_s: float = 5.0) -> Any:
+    """A call with no deadline (it waits for data by design, e.g. a batch of rollouts) that
+    still fails, with `ServiceLostError`, once the service's worker has left the cluster: a
+    call to a dead worker's actor otherwise waits for ever (Dask waits for the actor to be
+    re-created, and an actor pinned to its worker never is)."""
+    out = getattr(handle, method)(*args)
+    if not (hasattr(out, "result") and callable(out.result)):
+        return out
+    while True:
+        try:
+            return out.result(timeout=poll_s)
+        except TimeoutError:
+            if not _worker_present(handle):
+                raise ServiceLostError(
+                    f"{service_name(handle)}.{method}: its worker {handle._address} left the "
+                    "cluster while the call waited") from None
+
+
+@dataclass(frozen=True)
+class ActorRef:
+    """A Dask actor handle by class, worker address and key, without the actor's task as a
+    dependency: a Dask task whose arguments hold an `Actor` depends on the actor's key, so the
+    loss of that actor's worker cancels the task ("Worker holding Actor was lost") even when the
+    task could go on without it (a sync that skips a lost engine replica)."""
+
+    cls: type
+    address: str
+    key: str
+
+
+def detach(value: Any) -> Any:
+    """`value` with every Actor (also inside lists and tuples) replaced by its ActorRef."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(detach(v) for v in value)
+    cls = getattr(value, "_cls", None)
+    if cls is not None and hasattr(value, "_address") and hasattr(value, "key"):
+        return ActorRef(cls, value._address, value.key)
+    return value
+
+
+def attach(value: Any) -> Any:
+    """The inverse of `detach`, where the value is used (on a worker)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(attach(v) for v in value)
+    if isinstance(value, ActorRef):
+        from distributed.actor import Actor
+
+        return Actor(value.cls, value.address, value.key)
+    return value
+
+
+def release(handle: Any) -> None:
+    """Let Dask forget an actor this process created (best effort; plain objects: nothing).
+    While a client holds an actor's future, the scheduler re-runs the actor's creation on
+    another worker when the actor's worker dies: a second, unused service. A lost service
+    that has been replaced, or the old services of a restarted run, are released instead."""
+    fut = getattr(handle, "_future", None)
+    if fut is not None and callable(getattr(fut, "release", None)):
+        try:
+            fut.release()
+        except Exception:  # its client may be closing: nothing left to release
+            pass
 
 
 def worker_identity() -> dict[str, Any]:

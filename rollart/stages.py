@@ -15,17 +15,28 @@ import torch
 
 from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import dump_config
-from rollart.handles import call, worker_identity
+from rollart.handles import attach, call, call_while_present, set_call_timeout, worker_identity
 from rollart.metrics import reward_metrics, rollout_metrics
 from rollart.models.run_model import chat_format, prepare_tokenizer
 from rollart.rewards.client import make_reward_client
 from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
+from rollart.rollout.failover import is_replica_loss
 from rollart.rollout.plan import plan_eval
 from rollart.rollout.setup import sampling_params
 from rollart.run import RunSpec
 from rollart.spans import timed_stage
 from rollart.storage.background import shard_writer
 from rollart.types import SamplingParams, Trajectory
+
+
+def run_stage(stage: str, *args: Any, call_timeout_s: float | None = None) -> Any:
+    """Stage `stage` with its actor handles re-attached (`rollart.handles.detach`): how a flow
+    submits a stage as a raw Dask task without making it depend on every actor it calls.
+    `call_timeout_s`: the run's call deadline, set in this worker process first (a worker
+    that (re)joined mid-run has no service yet that would have set it)."""
+    if call_timeout_s is not None:
+        set_call_timeout(call_timeout_s)
+    return globals()[stage](*attach(args))
 
 
 def trajectories_of(x: list[Trajectory] | tuple[list[Trajectory], dict]) -> list[Trajectory]:
@@ -52,8 +63,19 @@ def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
     chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
     per_task = constrained_params(params, chat, run.cfg.tasks, run.cfg.engine.answer_grammar)
 
+    def generate(i: int, reqs: list) -> list:
+        """On replica i, or the next one that answers when i is lost (a turn's request holds
+        the whole conversation, so any replica can serve it)."""
+        for k in range(n):
+            try:
+                return call(engines[(i + k) % n], "generate", reqs)
+            except Exception as err:
+                if not is_replica_loss(err) or k == n - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def on(i: int) -> list[Trajectory]:
-        return run_episodes(chunks[i], lambda reqs: call(engines[i], "generate", reqs),
+        return run_episodes(chunks[i], lambda reqs: generate(i, reqs),
                             chat, per_task, run.max_context, on_done)
 
     if n == 1:
@@ -68,8 +90,9 @@ def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, A
     ran (and were rewarded as each ended) while earlier updates trained, as far as
     `rollout.max_staleness` allows; this waits only for what is still missing."""
     t0 = time.perf_counter()
-    # Waits for data, as long as rollouts take: no call deadline (episodes have their own).
-    trajs, info = call(rollout, "take_batch", iteration, timeout=None)
+    # Waits for data, as long as rollouts take: no call deadline (episodes have their own),
+    # but not past the loss of the rollout service's worker.
+    trajs, info = call_while_present(rollout, "take_batch", iteration)
     m = info["metrics"]
     m["perf/rollout_s"] = time.perf_counter() - t0  # time the trainer waited for rollouts
     return trajs, {**info, **worker_identity()}
@@ -107,10 +130,11 @@ def score(run: RunSpec, iteration: int,
 
 
 @timed_stage
-def update(trainer: Any, scored: Any) -> dict[str, Any]:
+def update(trainer: Any, scored: Any, step: int | None = None) -> dict[str, Any]:
+    """The policy update `step` (the trainer refuses any other than its next one)."""
     t0 = time.perf_counter()
     dropped = scored[1].get("dropped") if isinstance(scored, tuple) else None
-    out = call(trainer, "update", trajectories_of(scored), dropped)
+    out = call(trainer, "update", trajectories_of(scored), dropped, step)
     out["metrics"]["perf/update_s"] = time.perf_counter() - t0
     return {**out, "caller": worker_identity()}
 
@@ -123,45 +147,77 @@ def sync_weights(trainer: Any, engines: list[Any], rollout: Any = None,
     Each engine switches between two `generate` calls: turns in flight finish on the old version
     (their tokens record it). Then the rollout service learns that update `step` is done
     (its staleness clock counts updates; a skipped update leaves the weight version alone)."""
-    out = _push_weights(trainer, engines)
+    out = push_weights(trainer, engines)
     if rollout is not None:
         call(rollout, "set_version", out["version"] if step is None else step)
     return out
 
 
-def _push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
+def _tolerant(engine: Any, method: str, *args: Any) -> Any | None:
+    """A call to an engine replica; None when the replica turns out to be lost (its worker died
+    or hung past the deadline): the rollout service fails it over, the supervisor brings it
+    back (rollart/recovery.py), and this stage goes on with the others."""
+    try:
+        return call(engine, method, *args)
+    except Exception as err:
+        if is_replica_loss(err):
+            return None
+        raise
+
+
+def push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
+    """The trainer's current weights into `engines`; a replica lost on the way is skipped
+    (`skipped`: positions in `engines`, `perf/sync_skipped`)."""
     t0 = time.perf_counter()
     if call(trainer, "sync_via_store"):
         pub = call(trainer, "publish_weights")
-        pulls = [call(e, "pull_weights", pub["version"]) for e in engines]
+        got = [_tolerant(e, "pull_weights", pub["version"]) for e in engines]
+        pulls = [p for p in got if p is not None]
         return {
             "version": pub["version"],
+            "skipped": [i for i, p in enumerate(got) if p is None],
             "metrics": {"perf/sync_s": time.perf_counter() - t0,
-                        "perf/sync_pause_s": max(p["pause_s"] for p in pulls),
+                        "perf/sync_pause_s": max((p["pause_s"] for p in pulls), default=0.0),
+                        "perf/sync_skipped": float(len(got) - len(pulls)),
                         "perf/sync_bytes": float(pub["bytes"]),
                         "perf/weights_store_bytes": float(pub["bytes"]) * (1 + len(engines)),
                         "perf/weights_publish_s": pub["publish_s"],
-                        "perf/weights_pull_s": max(p["pull_s"] for p in pulls)},
+                        "perf/weights_pull_s": max((p["pull_s"] for p in pulls),
+                                                   default=0.0)},
             **worker_identity(),
         }
     # Same host: engines copy from the trainer's /dev/shm file; any other engine gets the
     # tensors through the call (exported once, only if needed).
     shared = call(trainer, "share_weights") if call(trainer, "shared_memory_sync") else None
     pauses, state, version = [], None, shared["version"] if shared else -1
-    nbytes, via_shm = float(shared["bytes"]) if shared else 0.0, 0
-    for e in engines:
-        out = call(e, "load_shared_weights", shared) if shared else None
+    nbytes, via_shm, skipped = float(shared["bytes"]) if shared else 0.0, 0, []
+    for i, e in enumerate(engines):
+        try:  # None from the call: it cannot map the file (another host), send tensors
+            out = call(e, "load_shared_weights", shared) if shared else None
+        except Exception as err:
+            if not is_replica_loss(err):
+                raise
+            skipped.append(i)
+            continue
         if out is None:
             if state is None:
                 version, state = call(trainer, "export_weights")
                 nbytes = float(sum(v.numel() * v.element_size() for v in state.values()))
-            out = call(e, "update_weights", version, state)
+            out = _tolerant(e, "update_weights", version, state)
+            if out is None:
+                skipped.append(i)
+                continue
         else:
             via_shm += 1
         pauses.append(out["pause_s"])
+    if state is None and not shared:  # every replica lost: still say which version is current
+        version = call(trainer, "export_weights")[0]
     return {
         "version": version,
-        "metrics": {"perf/sync_s": time.perf_counter() - t0, "perf/sync_pause_s": max(pauses),
+        "skipped": skipped,
+        "metrics": {"perf/sync_s": time.perf_counter() - t0,
+                    "perf/sync_pause_s": max(pauses, default=0.0),
+                    "perf/sync_skipped": float(len(skipped)),
                     "perf/sync_bytes": nbytes, "perf/sync_shm_engines": float(via_shm)},
         **worker_identity(),
     }
@@ -173,7 +229,9 @@ def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
     """Snapshot trainer state, sample ledger, the engines' sampling RNG (exact resume) and the
     rollout service's unconsumed groups (async runs: rollart/rollout/snapshot.py); the trainer
     uploads it in the background, so this returns before the upload ends."""
-    engine_rng = [call(e, "rng_state") for e in engines or []]
+    # A lost replica's slot (None, or lost on the way) records no state: it resumes unseeded.
+    engine_rng = [(_tolerant(e, "rng_state") if e is not None else None) or b""
+                  for e in engines or []]
     state, pending = call(rollout, "snapshot") if rollout is not None else (None, [])
     return {**call(trainer, "save_checkpoint", step, meta, engine_rng or None, pending or None,
                    state),
@@ -198,6 +256,8 @@ def restore(trainer: Any, engines: list[Any], step: int) -> dict[str, Any]:
 def evaluate(run: RunSpec, engines: list[Any], episodes: int) -> dict[str, Any]:
     """Greedy episodes on held-out seeds."""
     t0 = time.perf_counter()
+    if not engines:  # every replica is lost at the moment: skip, say so
+        return {"metrics": {"eval/skipped": 1.0}, **worker_identity()}
     trajs = _run_on_engines(run, plan_eval(run.cfg, episodes), engines,
                             sampling_params(run.cfg, greedy=True))
     m = rollout_metrics(trajs, prefix="eval")

@@ -10,6 +10,7 @@ route): `PrefectStages` annotates each stage with the class `cluster.stages` map
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from prefect.cache_policies import NONE
 from rollart import stages
 from rollart.config import RunConfig
 from rollart.driver import STAGE_ROLE
+from rollart.handles import detach
 from rollart.spans import info_of
 
 _opts = {"cache_policy": NONE, "persist_result": False}
@@ -46,19 +48,50 @@ class StageOutput:
     info: dict[str, Any]
 
 
-def on_class_worker(stage: str, resource: str, args: tuple[Any, ...]) -> StageOutput:
+def on_class_worker(stage: str, resource: str, args: tuple[Any, ...],
+                    call_timeout_s: float | None = None) -> StageOutput:
     """`cluster.task_runner: threads`: this task runs on a thread of the flow process; the stage
-    itself runs as a raw Dask task on a worker carrying `resource` (its hardware class)."""
+    itself runs as a raw Dask task on a worker carrying `resource` (its hardware class), with
+    the run's actor-call deadline `call_timeout_s`."""
     from distributed import get_client
 
     client = get_client()
-    args = tuple(a.future if isinstance(a, StageOutput) else a for a in args)
-    fut = client.submit(getattr(stages, stage), *args, resources={resource: 1}, pure=False)
-    if stage in _BULKY:  # only the info dict comes back to the flow (a tiny task next to it)
-        info = client.submit(info_of, fut, resources={resource: 1}, pure=False).result()
-    else:  # the value is its info dict: one round trip
+    inputs = [a for a in args if isinstance(a, StageOutput)]
+    if any(a.future is None for a in inputs):
+        raise ValueError(f"stage {stage!r} got the value of a stage that was already taken "
+                         "(and released) by another stage")
+    # Actors go as references: a stage must not depend on the actors' tasks (a lost engine
+    # replica would cancel the sync that skips it); futures of earlier stages stay futures.
+    args = tuple(a.future if isinstance(a, StageOutput) else detach(a) for a in args)
+    fut = client.submit(stages.run_stage, stage, *args, resources={resource: 1}, pure=False,
+                        key=f"{stage}-{uuid.uuid4()}", call_timeout_s=call_timeout_s)
+    try:
+        if stage in _BULKY:  # only the info dict comes back to the flow (a tiny task next to it)
+            info = client.submit(info_of, fut, resources={resource: 1}, pure=False).result()
+            return StageOutput(fut, info or {})
+        # The value is its info dict: one round trip, and nothing left on the worker.
         info = info_of(fut.result())
-    return StageOutput(fut, info or {})
+        release_output(StageOutput(fut, {}))
+        return StageOutput(None, info or {})
+    except BaseException:  # the run is failing: nobody will take this value
+        release_output(StageOutput(fut, {}))
+        raise
+    finally:
+        # A stage's value lives until the stage that takes it has ended, then goes: a finished
+        # stage whose value sits on a worker that dies later is never run again by Dask (an
+        # update applied twice; a re-run stage queued on the restarted worker's only thread).
+        for a in inputs:
+            release_output(a)
+
+
+def release_output(out: StageOutput) -> None:
+    """Let Dask forget a stage's value (best effort: its client may be closing)."""
+    fut, out.future = out.future, None
+    if fut is not None:
+        try:
+            fut.release()
+        except Exception:
+            pass
 
 
 # `cluster.task_runner: threads`: the same task names and options around `on_class_worker`.
@@ -73,11 +106,13 @@ class PrefectStages:
     def __init__(self, cfg: RunConfig) -> None:
         self.roles = cfg.cluster.stages
         self.threads = cfg.cluster.task_runner == "threads"
+        self.call_timeout_s = cfg.cluster.call_timeout_s
 
     def submit(self, stage: str, *args: Any, after: Sequence[Any] = ()) -> Any:
         resource = self.roles[STAGE_ROLE[stage]]
         if self.threads:
-            return _threaded[stage].submit(stage, resource, args, wait_for=list(after))
+            return _threaded[stage].submit(stage, resource, args, self.call_timeout_s,
+                                           wait_for=list(after))
         with dask.annotate(resources={resource: 1}):
             return _shipped[stage].submit(*args, wait_for=list(after))
 

@@ -80,6 +80,13 @@ class EngineBatcher:
         if self.thread is not None and self.thread.is_alive():
             self.thread.join(timeout=30.0)
 
+    def fail_queued(self, err: BaseException) -> None:
+        """The replica is lost: its queued turns go back to their episodes (re-routed there)."""
+        with self.cv:
+            while self.queue:
+                self.queue.popleft()[1].set_exception(err)
+            self.cv.notify_all()
+
     def loop(self) -> None:
         while True:
             with self.cv:
@@ -104,15 +111,16 @@ class EngineBatcher:
             t0 = time.perf_counter()
             try:
                 out = call(self.engine, "generate", [r for r, _, _ in items])
-            except Exception as err:  # an engine failure fails these turns' episodes
+            except Exception as err:  # the episodes decide: re-issue (replica lost) or fail
+                self.busy_s += time.perf_counter() - t0
+                self.calls += 1
                 for _, fut, _ in items:
                     fut.set_exception(err)
-                continue
-            finally:
-                busy = time.perf_counter() - t0
-                self.busy_s += busy
-                self.calls += 1
-                if self.on_served is not None:
-                    self.on_served([r.request_id for r, _, _ in items], busy)
+                continue  # no `on_served`: a failed call's time says nothing of the replica
+            busy = time.perf_counter() - t0
+            self.busy_s += busy
+            self.calls += 1
+            if self.on_served is not None:
+                self.on_served([r.request_id for r, _, _ in items], busy)
             for (_, fut, _), comp in zip(items, out, strict=True):
                 fut.set_result(comp)

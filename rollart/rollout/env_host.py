@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rollart.config import TaskConfig
 from rollart.envs import make_env
 from rollart.envs.wrappers import injected_counts
-from rollart.handles import worker_identity
+from rollart.handles import call, worker_identity
 from rollart.run import RunSpec
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
@@ -85,3 +86,37 @@ class EnvHostService:
 
     async def stats(self) -> dict[str, Any]:
         return {**self.host.stats(), **worker_identity()}
+
+
+class HostedEnv:
+    """The Env interface over an env host handle, for one episode of the rollout service `svc`
+    (duck-typed: `cfg`, `hosts`, `hosts_alive`, `host_lost`); arms its watchdog around every
+    env call (`live.deadline`)."""
+
+    def __init__(self, svc: Any, live: Any) -> None:
+        self.svc, self.live = svc, live
+        self.system_prompt = ""
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self.live.deadline = time.monotonic() + self.svc.cfg.rollout.env_timeout_s
+        try:
+            return call(self.svc.hosts[self.live.host], method, *args)
+        except OSError:  # the host's worker is gone: route new episodes around it
+            self.svc.host_lost(self.live.host)
+            raise
+        finally:
+            self.live.deadline = None
+
+    def reset(self, seed: int) -> tuple[str, dict]:
+        self.system_prompt, obs = self._call("open", self.live.id, self.live.start.task, seed)
+        return obs, {}
+
+    def step(self, text: str) -> tuple[str, float, bool, bool, dict]:
+        return self._call("step", self.live.id, text)
+
+    def close(self) -> None:
+        if self.svc.hosts_alive[self.live.host]:
+            try:
+                call(self.svc.hosts[self.live.host], "close", self.live.id)
+            except Exception:  # best effort: the episode is over either way
+                pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from rollart.config import RunConfig, TaskConfig
 from rollart.rollout.env_manager import EpisodeSpec
@@ -41,3 +42,18 @@ def plan_eval(cfg: RunConfig, episodes: int, tag: str = "eval") -> list[EpisodeS
             name = eval_id(tag, task.name, i)
             specs.append(EpisodeSpec(task, seed, name, name))
     return specs
+
+
+def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
+    """(task, n) -> the n-th group of that task in the plan: iteration n // quota, slot
+    n % quota (same ids and seeds as `plan_iteration`, so ledgers and shards read the same in
+    synchronous and async runs)."""
+    counts = split_by_share(cfg.rollout.num_groups, [t.share for t in cfg.tasks])
+    tasks = {t.name: (t, q) for t, q in zip(cfg.tasks, counts, strict=True)}
+
+    def name(task: str, n: int) -> tuple[str, int]:
+        cfg_task, quota = tasks[task]
+        iteration, g = divmod(n, quota)
+        return group_id(task, iteration, g), group_seed(cfg, cfg_task, iteration, g)
+
+    return name

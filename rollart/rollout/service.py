@@ -31,21 +31,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart.config import RunConfig
-from rollart.metrics import rollout_metrics
 from rollart.models.chat import ChatFormat
 from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode, call
+from rollart.rollout.env_host import HostedEnv
 from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
-from rollart.rollout.ids import group_id
-from rollart.rollout.plan import group_seed
-from rollart.rollout.scheduler import (
-    Cancel,
-    RolloutScheduler,
-    SchedulerConfig,
-    Start,
-    split_by_share,
-)
+from rollart.rollout.failover import EngineHealth, NoReplicaLeft, ReplicaLost, is_replica_loss
+from rollart.rollout.plan import plan_namer
+from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
+from rollart.rollout.service_metrics import service_metrics
 from rollart.rollout.turn_router import TurnRouter
-from rollart.types import GenerationRequest, SamplingParams, Trajectory
+from rollart.routing.router import NoHealthyReplica
+from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
 Drop = tuple[str, int, str]  # (sample id, iteration, reason) for the sample ledger
 
@@ -55,53 +51,6 @@ def _param_count(engine: Any) -> float:
     if hasattr(engine, "model"):
         return float(sum(p.numel() for p in engine.model.parameters()))
     return float(call(engine, "param_count"))
-
-
-def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
-    """(task, n) -> the n-th group of that task in the plan: iteration n // quota, slot
-    n % quota (same ids and seeds as `plan_iteration`, so ledgers and shards read the same in
-    synchronous and async runs)."""
-    counts = split_by_share(cfg.rollout.num_groups, [t.share for t in cfg.tasks])
-    tasks = {t.name: (t, q) for t, q in zip(cfg.tasks, counts, strict=True)}
-
-    def name(task: str, n: int) -> tuple[str, int]:
-        cfg_task, quota = tasks[task]
-        iteration, g = divmod(n, quota)
-        return group_id(task, iteration, g), group_seed(cfg, cfg_task, iteration, g)
-
-    return name
-
-
-class _HostedEnv:
-    """The Env interface over an env host handle; arms the watchdog around every call."""
-
-    def __init__(self, svc: RolloutService, live: LiveEpisode) -> None:
-        self.svc, self.live = svc, live
-        self.system_prompt = ""
-
-    def _call(self, method: str, *args: Any) -> Any:
-        self.live.deadline = time.monotonic() + self.svc.cfg.rollout.env_timeout_s
-        try:
-            return call(self.svc.hosts[self.live.host], method, *args)
-        except OSError:  # the host's worker is gone: route new episodes around it
-            self.svc.host_lost(self.live.host)
-            raise
-        finally:
-            self.live.deadline = None
-
-    def reset(self, seed: int) -> tuple[str, dict]:
-        self.system_prompt, obs = self._call("open", self.live.id, self.live.start.task, seed)
-        return obs, {}
-
-    def step(self, text: str) -> tuple[str, float, bool, bool, dict]:
-        return self._call("step", self.live.id, text)
-
-    def close(self) -> None:
-        if self.svc.hosts_alive[self.live.host]:
-            try:
-                call(self.svc.hosts[self.live.host], "close", self.live.id)
-            except Exception:  # best effort: the episode is over either way
-                pass
 
 
 @dataclass
@@ -117,6 +66,7 @@ class RolloutService:
         r = cfg.rollout
         self.cfg, self.chat, self.reward, self.params = cfg, chat, reward_client, params
         self.hosts, self.hosts_alive = hosts, [True] * len(hosts)
+        self.host_events: list[dict[str, Any]] = []
         self.max_context = max_context
         self.tasks = {t.name: t for t in cfg.tasks}
         self.sched = RolloutScheduler(
@@ -136,6 +86,7 @@ class RolloutService:
         # keeps each episode on the replica it started on (its batch waits for its members).
         self.routing = TurnRouter(cfg, lambda: _param_count(engines[0]),
                                   dynamic=not lockstep and len(engines) > 1)
+        self.health = EngineHealth(len(engines), r.engine_wait_timeout_s)
         self.live: dict[str, LiveEpisode] = {}
         self.done: dict[str, Trajectory] = {}
         self.totals = _Totals()
@@ -253,8 +204,8 @@ class RolloutService:
         for st in starts:
             on_engine = Counter(x.engine for x in self.live.values())
             on_host = Counter(x.host for x in self.live.values())
-            live = LiveEpisode(st,
-                               engine=min(range(len(self.batchers)), key=lambda i: on_engine[i]),
+            engines = self.health.alive_indices() or range(len(self.batchers))  # else: waits
+            live = LiveEpisode(st, engine=min(engines, key=lambda i: on_engine[i]),
                                host=min(alive, key=lambda i: on_host[i]))
             self.live[st.episode_id] = live
             self._launched[st.episode_id] = next(self._seq)
@@ -264,8 +215,9 @@ class RolloutService:
         st = live.start
         params = self.params[st.task]
         spec = EpisodeSpec(self.tasks[st.task], st.seed, st.group_id, st.episode_id, st.iteration)
-        env = _HostedEnv(self, live)
+        env = HostedEnv(self, live)
         ep = start_episode(spec, self.chat, lambda task: env)
+        reason = "env_error"
         ep.traj.allowed_token_ids = params.allowed_token_ids
         ep.traj.allowed_sequences = params.allowed_sequences
         try:
@@ -273,16 +225,22 @@ class RolloutService:
                 req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",
                                         list(ep.traj.token_ids), params)
                 t0 = time.perf_counter()
-                engine = self.routing.route(live.id, st.task, req, ep.pending_prompt_tokens,
-                                            live.engine)
-                comp = self.batchers[engine].generate(req, live)
+                comp = self._generate(live, req, ep.pending_prompt_tokens)
                 ep.timings["generate_s"] += time.perf_counter() - t0
+                if comp is None:
+                    break  # stopping with no replica left
                 if not live.cancelled:
                     apply_completion(ep, comp, self.chat, self.max_context, params.max_new_tokens)
         except EpisodeCancelled:
             pass
-        except Exception as err:  # engine failure: costs this episode
+        except NoReplicaLeft as err:  # the run cannot go on: say why
+            with self.lock:
+                self.fatal = self.fatal or err
+                self.lock.notify_all()
+            live.cancelled = True
+        except Exception as err:  # the engine's own error: costs this episode, not the replica
             ep.traj.error = f"generate: {type(err).__name__}: {err}"
+            reason = "engine_error"
         env.close()
         self.routing.episode_end(live.id, st.task, ep.traj)
         ep.traj.timings.update(ep.timings)
@@ -292,7 +250,61 @@ class RolloutService:
             self._score(live, ep.traj)
         else:
             self.recent_errors.append(f"{live.id}: {ep.traj.error}")
-            self._failed(live, "env_error", timeout=False)
+            self._failed(live, reason, timeout=False)
+
+    def _generate(self, live: LiveEpisode, req: GenerationRequest, new_tokens: int
+                  ) -> Completion | None:
+        """One turn on a serving replica. A replica lost on the way is marked and the same
+        request goes to another (the episode's tokens stop at its last completed turn, so
+        nothing is generated twice and every kept token keeps its version); None once the
+        service stops while no replica is left."""
+        while True:
+            alive = self.health.wait_any(lambda: self.stopping or live.cancelled)
+            if not alive:
+                return None
+            if live.engine not in alive:  # its replica is gone: the least loaded alive one
+                with self.lock:
+                    on = Counter(x.engine for x in self.live.values())
+                live.engine = min(alive, key=lambda i: on[i])
+            try:
+                engine = self.routing.route(live.id, live.start.task, req, new_tokens,
+                                            live.engine)
+            except NoHealthyReplica:  # the router heard of a loss before the health flags
+                time.sleep(0.05)
+                continue
+            try:
+                return self.batchers[engine].generate(req, live)
+            except EpisodeCancelled:
+                raise
+            except Exception as err:
+                if not is_replica_loss(err):
+                    self.routing.abandon(req.request_id)
+                    raise
+                self.engine_lost(engine, err)
+                self.totals.counters["turns_reissued"] += 1
+
+    def engine_lost(self, index: int, err: BaseException | str) -> None:
+        """Take replica `index` out of rotation: the router fails its outstanding turns over,
+        its queued turns return to their episodes, which re-issue them on the others."""
+        why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        if not self.health.mark_lost(index, why):
+            return
+        self.routing.failed(index)
+        self.recent_errors.append(f"engine replica {index} lost: {why}")
+        self.batchers[index].fail_queued(ReplicaLost(f"engine replica {index} lost"))
+        with self.lock:
+            self.lock.notify_all()
+
+    def replace_engine(self, index: int, engine: Any) -> None:
+        """A replacement for lost replica `index` (serving the current weights) joins the
+        rotation; episodes waiting for a replica go on."""
+        self.batchers[index].engine = engine
+        self.routing.recovered(index)
+        self.health.mark_back(index)
+        self.totals.counters["engines_replaced"] += 1
+
+    def lost_engines(self) -> list[int]:
+        return self.health.lost_indices()
 
     def _score(self, live: LiveEpisode, traj: Trajectory) -> None:
         try:
@@ -320,6 +332,8 @@ class RolloutService:
                 return
             live.cancelled = True  # the scheduler counts it (failed / timeouts)
             self._drop(live.start, reason)
+            if reason == "engine_error":  # the engine's own error, not the env's
+                self.totals.counters["engine_errors"] += 1
             starts, cancels = self.sched.on_failed(live.id, timeout=timeout,
                                                    worker_lost=reason == "host_lost")
             self._cancel(cancels)
@@ -359,6 +373,7 @@ class RolloutService:
                 return
             self.hosts_alive[index] = False
             self.totals.counters["hosts_lost"] += 1
+            self.host_events.append({"host": index, "event": "lost", "t": time.time()})
             self.recent_errors.append(f"env host {index} lost")
             stranded = [x for x in self.live.values() if x.host == index]
         for live in stranded:
@@ -392,34 +407,17 @@ class RolloutService:
 
     # ---- metrics -------------------------------------------------------------------------
     def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
-        m = rollout_metrics(trajs)
-        c = self.totals.counters + self.sched.counters
-        for key in ("timeouts", "retried", "cancelled_redundant", "cancelled_stale",
-                    "cancelled_group_dropped", "groups_dropped_failures", "dropped_stale_groups",
-                    "hosts_lost", "late_results"):
-            m[f"rollout/{key}"] = float(c[key])
-        # A failed episode is re-issued, never batched, so the batch itself holds none: per batch
-        # is the failures since the previous batch; the run's count is `failed_total`.
-        m["rollout/failed"] = float(c["failed"] - self._failed_reported)
-        m["rollout/failed_total"] = float(c["failed"])
-        self._failed_reported = c["failed"]
-        stale = c["cancelled_stale"] + c["dropped_stale_episodes"]
-        m["rollout/dropped_stale_episodes"] = float(stale)
-        m["rollout/in_flight"] = float(len(self.live))
-        m["rollout/groups_ready"] = float(len(self.sched.complete))
-        versions = [t.turns[0].weight_version for t in trajs if t.turns]
-        if versions:
-            m["rollout/start_version_min"] = float(min(versions))
-        m.update(self.routing.metrics())
-        m["perf/engine_busy_s"] = sum(b.busy_s for b in self.batchers)
-        m["perf/rollout_elapsed_s"] = time.perf_counter() - self.started_at
-        return m
+        return service_metrics(self, trajs)
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
             c = self.totals.counters + self.sched.counters
-            return {"counters": dict(c), "in_flight": len(self.live),
+            c["engines_lost"] = self.health.lost_total
+            return {"counters": {k: v for k, v in c.items() if v}, "in_flight": len(self.live),
+                    "engines_alive": list(self.health.alive),
+                    "engine_events": list(self.health.events),
                     "engine_busy_s": [b.busy_s for b in self.batchers],
                     "engine_calls": [b.calls for b in self.batchers],
                     "hosts_alive": list(self.hosts_alive),
+                    "host_events": list(self.host_events),
                     "recent_errors": list(self.recent_errors)}

@@ -49,6 +49,24 @@ class TurnRouter:
             for rid in request_ids:
                 self.router.on_finished(rid)
 
+    def failed(self, engine: int) -> None:
+        """Replica `engine` is lost: the router stops choosing it, and its episodes' next
+        turns are placed elsewhere (counted as failovers)."""
+        if self.router is not None:
+            with self.lock:
+                self.router.on_failed(engine_replica_id(engine))
+
+    def recovered(self, engine: int) -> None:
+        if self.router is not None:
+            with self.lock:
+                self.router.on_recovered(engine_replica_id(engine))
+
+    def abandon(self, request_id: str) -> None:
+        """A turn that failed with the engine's own error leaves the replica's queue."""
+        if self.router is not None:
+            with self.lock:
+                self.router.on_finished(request_id)
+
     def episode_end(self, episode_id: str, task: str, traj: Trajectory) -> None:
         with self.lock:
             for turn in traj.turns:

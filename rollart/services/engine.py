@@ -111,7 +111,7 @@ class EngineService:
         # A list of bytes: the restricted unpickler loads it and refuses anything executable
         # (explicit, so it cannot silently change with torch's default).
         states = torch.load(io.BytesIO(files["engine_rng.pt"]), weights_only=True)
-        if self.replica >= len(states):
+        if self.replica >= len(states) or not states[self.replica]:  # none, or it was lost
             log.warning("checkpoint %d has no RNG state for engine replica %d", step, self.replica)
             return False
         self.engine.generator.set_state(torch.frombuffer(bytearray(states[self.replica]),

@@ -10,6 +10,7 @@ from rollart.handles import worker_identity
 from rollart.rollout.env_host import EnvHostService
 from rollart.rollout.setup import build_rollout_service
 from rollart.run import RunSpec
+from rollart.services.engine import EngineService
 from rollart.types import Trajectory
 
 
@@ -18,14 +19,24 @@ class RolloutServiceActor:
     the worker's event loop), so waiting for a batch never holds the worker's single actor
     thread."""
 
-    def __init__(self, run: RunSpec, engines: list[Any], host_refs: list[tuple[str, str]],
-                 version: int = 0) -> None:
+    def __init__(self, run: RunSpec, engine_refs: list[tuple[str, str]],
+                 host_refs: list[tuple[str, str]], version: int = 0) -> None:
         from distributed.actor import Actor
 
-        # Env hosts by (actor key, worker address): handles, not graph dependencies, so a lost
-        # env worker does not take this actor down with it.
+        # Engines and env hosts by (actor key, worker address): handles, not graph
+        # dependencies, so a lost engine or env worker does not take this actor down with it.
         hosts = [Actor(EnvHostService, address, key) for key, address in host_refs]
+        engines = [Actor(EngineService, address, key) for key, address in engine_refs]
         self.service = build_rollout_service(run, engines, hosts, version)
+
+    def lost_engines(self) -> list[int]:
+        return self.service.lost_engines()
+
+    def replace_engine(self, index: int, ref: tuple[str, str]) -> None:
+        from distributed.actor import Actor
+
+        key, address = ref
+        self.service.replace_engine(index, Actor(EngineService, address, key))
 
     def start(self) -> dict[str, Any]:
         self.service.start()

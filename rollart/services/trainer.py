@@ -20,6 +20,11 @@ from rollart.train.trainer import Trainer
 from rollart.types import Trajectory
 
 
+class UpdateOutOfOrder(RuntimeError):
+    """An update whose step is not the trainer's next one (applying it would count a batch
+    twice, or skip one)."""
+
+
 class TrainerService:
     """The policy update and everything that must stay consistent with it."""
 
@@ -41,9 +46,17 @@ class TrainerService:
         self._run_id = run.run_id
 
     def update(self, trajs: list[Trajectory],
-               dropped: list[tuple[str, int, str]] | None = None) -> dict[str, Any]:
+               dropped: list[tuple[str, int, str]] | None = None,
+               step: int | None = None) -> dict[str, Any]:
         """One policy update; then every sample's fate goes into the ledger (consumed by this
-        step, or dropped with a reason, incl. `dropped` from earlier stages)."""
+        step, or dropped with a reason, incl. `dropped` from earlier stages). `step`: the
+        update this is (iteration + 1); anything but the trainer's next step is refused, so a
+        batch is never applied twice (Dask re-runs a finished stage task whose result was on a
+        worker that died while the task was still referenced)."""
+        if step is not None and step != self.trainer.step + 1:
+            raise UpdateOutOfOrder(
+                f"update for step {step} reached a trainer at step {self.trainer.step} "
+                f"(expected step {self.trainer.step + 1}): a re-run or lost update; refused")
         torch.set_num_threads(self.cfg.train.threads)
         metrics = self.trainer.update(trajs)
         metrics["train/samples_consumed"] = float(self.ckpt.record_update(

@@ -55,7 +55,7 @@ def audit_ledger(ledger: SampleLedger, cfg: RunConfig, next_iteration: int) -> L
     r = cfg.rollout
     audit = ledger.audit(issued_ids(cfg, next_iteration))
     exact = r.max_staleness == 0 and r.redundancy == 0
-    if exact and not any(reason in ("env_error", "timeout", "host_lost")
+    if exact and not any(reason in ("env_error", "engine_error", "timeout", "host_lost")
                          for *_, reason in ledger.records):
         return audit
     seen = {group_of_sample(x) for x in ledger.ids()}

@@ -119,12 +119,12 @@ def test_driver_runs_the_stages_in_order_and_merges_metrics(tmp_path):
     assert log == [
         ("prepare",), ("trainer",), ("sync_weights",), ("rollout", 0), ("rollout.start",),
         # step 1: no checkpoint -> sync tells the rollout service (its handle is passed)
-        ("collect", 0), ("score", 0), ("update",), ("sync_weights", 1),
+        ("collect", 0), ("score", 0), ("update", 1), ("sync_weights", 1),
         # step 2: checkpoint -> sync without the rollout service; it learns after the snapshot
-        ("collect", 1), ("score", 1), ("update",), ("sync_weights", None, 2),
+        ("collect", 1), ("score", 1), ("update", 2), ("sync_weights", None, 2),
         ("checkpoint", 2), ("rollout.set_version", 2),
         # step 3 (last): checkpoint and evaluation
-        ("collect", 2), ("score", 2), ("update",), ("sync_weights", None, 3),
+        ("collect", 2), ("score", 2), ("update", 3), ("sync_weights", None, 3),
         ("checkpoint", 3), ("evaluate", 2), ("rollout.set_version", 3),
         ("rollout.stop",),
     ]

@@ -41,6 +41,73 @@ def test_a_hung_actor_call_times_out_naming_service_and_method(client):
         set_call_timeout(old)
 
 
+class SlowLoader:
+    def load_checkpoint(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_stage_task_calls_with_the_runs_deadline(client):
+    """A stage submitted as a raw Dask task (the flow's threads runner) runs under the run's
+    call deadline even on a worker where no service set it (a worker that rejoined mid-run)."""
+    from rollart.handles import detach
+    from rollart.stages import run_stage
+
+    actor = client.submit(SlowLoader, actor=True).result()
+    old = call_timeout()
+    set_call_timeout(None)  # a fresh worker process: no deadline installed by anyone
+    try:
+        t0 = time.monotonic()
+        fut = client.submit(run_stage, "load_checkpoint_weights", detach(actor), 3.0,
+                            call_timeout_s=0.3, pure=False)
+        with pytest.raises(CallTimeoutError, match=r"SlowLoader\.load_checkpoint"):
+            fut.result(timeout=10)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        set_call_timeout(old)
+
+
+def test_a_waiting_call_ends_when_its_worker_leaves_the_cluster():
+    """`call_while_present` from a task on another worker (how the collect stage waits for a
+    batch): no deadline while the service's worker is there (a long wait is answered), a
+    `ServiceLostError` (an OSError: a lost service) soon after that worker is killed. A plain
+    actor call there waits for the actor to be re-created, which a pinned actor never is; a
+    `call` with a deadline ends the same way, well before its deadline."""
+    import os
+    import threading
+
+    from rollart.handles import ServiceLostError, attach, call_while_present, detach
+
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0",
+                      worker_dashboard_address=":0") as cluster, Client(cluster) as c:
+        a, b = sorted(c.scheduler_info()["workers"])
+        ev = c.submit(threading.Event, actor=True, workers=[b]).result()  # held: kept alive
+        ref = detach(ev)
+
+        def wait_on(r, seconds):  # runs on worker a
+            return call_while_present(attach(r), "wait", seconds, poll_s=0.2)
+
+        def call_on(r, seconds):  # a call with a 120 s deadline, also on worker a
+            return call(attach(r), "wait", seconds, timeout=120)
+
+        # Event.wait(0.8) returns False after 0.8 s: polled every 0.2 s, its worker is there.
+        assert c.submit(wait_on, ref, 0.8, workers=[a], pure=False).result(timeout=30) is False
+        waiting = c.submit(wait_on, ref, 120, workers=[a], pure=False)
+        deadline = c.submit(call_on, ref, 110, workers=[a], pure=False)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        try:  # the worker process exits abruptly (its nanny starts a new one)
+            c.run(os._exit, 1, workers=[b])
+        except Exception:
+            pass
+        with pytest.raises(ServiceLostError, match="left the cluster"):
+            waiting.result(timeout=60)
+        with pytest.raises(ServiceLostError, match=r"Event\.wait: its worker"):
+            deadline.result(timeout=60)  # not the whole 120 s deadline
+        assert issubclass(ServiceLostError, OSError)
+        assert time.monotonic() - t0 < 40
+
+
 def test_plain_objects_are_called_directly():
     assert call(Sleeper(), "nap", 0.0) == 0.0
 

@@ -13,9 +13,8 @@ from rollart.rollout.ids import (
     parse_sample_id,
     sample_id,
 )
-from rollart.rollout.plan import plan_eval, plan_iteration
+from rollart.rollout.plan import plan_eval, plan_iteration, plan_namer
 from rollart.rollout.scheduler import RolloutScheduler, SchedulerConfig
-from rollart.rollout.service import plan_namer
 
 
 def test_format_and_parse_round_trip():

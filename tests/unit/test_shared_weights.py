@@ -7,7 +7,7 @@ import safetensors.torch
 import torch
 
 from rollart.engines.shared_weights import SharedWeightsWriter, host_id, read_shared
-from rollart.stages import _push_weights
+from rollart.stages import push_weights
 from rollart.storage.weights import serialize_weights
 
 
@@ -119,7 +119,7 @@ class _Engine:
 def test_push_weights_uses_shm_on_host_and_sends_tensors_elsewhere(tmp_path):
     trainer = _Trainer(tmp_path / "w.bin")
     local, remote = _Engine(True), _Engine(False)
-    out = _push_weights(trainer, [local, remote])
+    out = push_weights(trainer, [local, remote])
     assert out["version"] == 7 and out["metrics"]["perf/sync_shm_engines"] == 1.0
     assert trainer.exports == 1  # only for the engine that could not map the file
     for e in (local, remote):
