@@ -7,10 +7,17 @@ after RMSNorm, so 1e-5 absolute on states and 1e-4 relative on gradients is ~100
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rollart.train.shared_prefix import common_prefix_len, groups_of, shared_prefix_hidden
+from rollart.train import shared_prefix
+from rollart.train.shared_prefix import (
+    common_prefix_len,
+    groups_of,
+    shared_prefix_hidden,
+    suffix_buckets,
+)
 
 
 def _model() -> LlamaForCausalLM:
@@ -49,7 +56,10 @@ def test_groups_and_prefix_length():
     assert common_prefix_len(ids[:1], 3) == 3 and common_prefix_len(ids, 0) == 0
 
 
-def test_hidden_loss_and_grads_match_the_plain_forward():
+@pytest.mark.parametrize("call_cost", [64, 0], ids=["one-suffix-call", "length-buckets"])
+def test_hidden_loss_and_grads_match_the_plain_forward(monkeypatch, call_cost):
+    # call cost 0: every length split pays, so the suffixes go in MAX_BUCKETS calls
+    monkeypatch.setattr(shared_prefix, "CALL_COST_POSITIONS", call_cost)
     ids, mask, gids, lens = _batch()
     plain, shared = _model(), _model()
     h_plain = plain.model(input_ids=ids).last_hidden_state
@@ -82,3 +92,15 @@ def test_prefix_stops_before_the_first_trained_position():
         h_shared = shared_prefix_hidden(model.model, ids, mask, gids, min_prefix=4)
     for i, n in enumerate(lens):
         assert torch.allclose(h_plain[i, :n], h_shared[i, :n], atol=1e-5, rtol=0)
+
+
+def test_suffix_buckets_minimise_padded_positions_plus_call_cost(monkeypatch):
+    """need = [31, 10, 30, 12] after a prefix of 8 (suffixes 23, 2, 22, 4 positions).
+    Call cost 64: one call, 4 x 23 + 64 = 156, beats any split (two: 2 x 4 + 64 + 2 x 23 +
+    64 = 182). Call cost 0: three calls; {10}, {12}, {30, 31}: 2 + 4 + 2 x 23 = 52 beats
+    {10, 12}, {30}, {31}: 2 x 4 + 22 + 23 = 53."""
+    need = [31, 10, 30, 12]
+    assert suffix_buckets(need, 8) == [[1, 3, 2, 0]]
+    monkeypatch.setattr(shared_prefix, "CALL_COST_POSITIONS", 0)
+    assert suffix_buckets(need, 8) == [[1], [3], [2, 0]]
+    assert suffix_buckets([9], 8) == [[0]]
