@@ -20,7 +20,10 @@ held-out problems (none of them in TRL's training set) by one evaluator for ever
     make peer && .venv/bin/python benchmarks/vs_trl.py          # -> results/vs_trl.json
 
 `speedup_vs_trl` = TRL's median s/step over the best rollart variant's (steps per second
-ratio); `--variants` picks rollart variants (sync/async x vllm/hf).
+ratio); `token_throughput_ratio` = the same variant's generated tokens per second of step time
+over TRL's (per round, median): answers shorten as a policy learns, at a pace of each
+framework's own, and steps/s counts that too. `--variants` picks rollart variants
+(sync/async x vllm/hf).
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def run_trl(a: argparse.Namespace, model_dir: str, data: Path, work: Path, r: in
             "generation_s": statistics.median(gen),
             "training_s": statistics.median(s - g for s, g in zip(steps, gen, strict=False)),
             "tokens_per_s": sum(tokens) / max(sum(gen), 1e-9),
+            "completion_tokens": tokens, "step_tokens_per_s": sum(tokens) / sum(steps),
             "reward": res["reward"], "model": str(save)}
 
 
@@ -168,6 +172,8 @@ def run_rollart(a: argparse.Namespace, variant: str, work: Path, r: int) -> dict
             "sync_bytes": med("perf/sync_bytes"), "orchestration_s": med("perf/orchestration_s"),
             "update_tokens_per_s": med("perf/update_tokens_per_s"),
             "tokens_per_s": tokens / max(busy, 1e-9),
+            "completion_tokens": [m.get("rollout/model_tokens", 0.0) for m in rows],
+            "step_tokens_per_s": tokens / sum(steps),
             "reward": [m.get("reward/mean") for m in rows], "run_dir": str(run_dir)}
 
 
@@ -245,6 +251,7 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"vs_trl: speedup_vs_trl {summary['speedup_vs_trl']:.2f}x ({summary['best_variant']}"
           f", {summary['rollart_step_s']:.1f} vs TRL {summary['trl_step_s']:.1f} s/step); "
+          f"tokens/s of step time {summary['token_throughput_ratio']:.2f}x; "
           f"sync {summary['sync_s']:.2f} s; accuracy rollart "
           f"{summary['rollart_final_accuracy']:.3f} vs TRL {summary['trl_final_accuracy']:.3f}"
           f" (base {base_acc:.3f}) -> {a.out}")
@@ -258,14 +265,21 @@ def summarise(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]
         mine = [x for x in runs if x.get("variant") == v]
         step = statistics.median(x["median_step_s"] for x in mine)
         ratios = [t["median_step_s"] / x["median_step_s"] for t, x in zip(trl, mine, strict=True)]
+        # Generated tokens per second of step time (all steps): the steps/s ratio also counts
+        # answers getting shorter as a policy learns, at a pace that differs per framework.
+        tok = [x["step_tokens_per_s"] / t["step_tokens_per_s"]
+               for t, x in zip(trl, mine, strict=True)]
         per[v] = {"step_s": step, "speedup": trl_step / step,
                   "speedup_min": min(ratios), "speedup_max": max(ratios),
+                  "token_throughput_ratio": statistics.median(tok),
+                  "token_throughput_ratio_min": min(tok), "token_throughput_ratio_max": max(tok),
                   "sync_s": statistics.median(x["sync_s"] for x in mine),
                   "final_accuracy": statistics.mean(x["final_accuracy"] for x in mine)}
     best = min(per, key=lambda v: per[v]["step_s"])
     return {"trl_step_s": trl_step, "variants": per, "best_variant": best,
             "rollart_step_s": per[best]["step_s"], "speedup_vs_trl": per[best]["speedup"],
             "sync_s": per[best]["sync_s"],
+            "token_throughput_ratio": per[best]["token_throughput_ratio"],
             "trl_final_accuracy": statistics.mean(x["final_accuracy"] for x in trl),
             "rollart_final_accuracy": per[best]["final_accuracy"]}
 
