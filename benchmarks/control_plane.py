@@ -124,6 +124,8 @@ def main() -> None:
     default = "threads" if "threads" in by_variant else variants[0]
     result = {
         "benchmark": "control_plane",
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout.strip(),
         "config": "configs/default.yaml",
         "iterations": a.iterations,
         "repeats": a.repeats,
