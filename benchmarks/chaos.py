@@ -314,7 +314,7 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--iterations", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -354,7 +354,7 @@ def main() -> None:
     faults = chaos.get("faults", [])
     result: dict[str, Any] = {
         "command": "python benchmarks/chaos.py" + (
-            f" --iterations {args.iterations}" if args.iterations != 12 else ""),
+            f" --iterations {args.iterations}" if args.iterations != 16 else ""),
         "commit": commit, "workers": WORKERS, "overrides": ov, "wall_s": round(time.time() - t0),
         "completed": chaos["completed"], "iterations": chaos["iterations"],
         **{k: chaos.get(k) for k in ("consumed", "dropped", "pending", "duplicated",
