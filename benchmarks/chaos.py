@@ -15,9 +15,10 @@ it or not (benchmarks/chaos_services.py). The chaos schedule, by iterations done
   trainer  kill -9 of the trainer worker once checkpoint 2 exists and iteration 2 is done
   rollout  kill -9 of the worker holding the rollout service once checkpoint 4 exists
   engine   kill -9 of the worker of engine replica 0, once the run is past that restart
-  hang     SIGSTOP of the worker of engine replica 1 for call_timeout_s + 15 s, then SIGCONT,
-           once an iteration is done and replica 0's replacement exists (or 4 min went by)
-  env      20 s into the hang: kill -9 of the env-host worker not holding the rollout service
+  hang     SIGSTOP of the worker of engine replica 1 once an iteration is done and replica 0's
+           replacement is in rotation (or 4 min went by); SIGCONT once the run has marked it
+           lost (a call past cluster.call_timeout_s; at most 3 min)
+  env      an iteration later: kill -9 of the env-host worker not holding the rollout service
 
 Services stay down until a call of the run has found them down (at least 3 s, at most 20 s).
 Per fault: detected_s (injection -> the run noticed: a call refused, the replica or host marked
@@ -25,7 +26,7 @@ lost, the restart begun), recovered_s (injection -> the run is back: a call serv
 replica back in rotation, an iteration past the one the run had reached done), episodes lost.
 Writes results/chaos.json and prints one summary line.
 
-    python benchmarks/chaos.py            (~20-30 min on 2 cores)
+    python benchmarks/chaos.py            (~6-10 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ LAST = 3  # final reward: mean of reward/mean over the last LAST iterations
 
 
 def overrides(iterations: int, s3_url: str, lambda_url: str) -> list[str]:
-    return ["rollout.num_groups=2", "rollout.group_size=4", "tasks.0.max_turns=4",
+    return ["rollout.num_groups=2", "rollout.group_size=4", "tasks.0.max_turns=8",
             "eval.episodes=0", "cluster.dashboard=false", "storage.save_every=2",
             "engine.replicas=2", f"cluster.call_timeout_s={CALL_TIMEOUT_S}",
             "cluster.max_restarts=3", "rollout.env_timeout_s=30",
@@ -132,6 +133,15 @@ class Chaos:
                     out[int(index)] = (int(attempt), worker)
         return {i: w for i, (_, w) in out.items()}
 
+    def lost_engines(self, skip: str | None = None) -> list[int]:
+        """The rollout service's lost replicas, asked on its worker."""
+        for worker, keys in holders(self.client, "rollout-", skip=skip).items():
+            key = max(keys, key=lambda k: int(k.rsplit("-", 1)[1]))
+            return list(self.client.run(
+                lambda dask_worker, k=key: dask_worker.state.actors[k].lost_engines(),
+                workers=[worker])[worker])
+        return []
+
     def record(self, kind: str, t0: float, **extra: Any) -> dict[str, Any]:
         f = {"kind": kind, "injected_at": t0, "reached": self.rows.reached(t0), **extra}
         self.faults.append(f)
@@ -180,23 +190,31 @@ class Chaos:
         self.wait(lambda: rows.past(t) is not None)
         self.kill("engine_kill", self.engines()[0], replica=0)
         t = self.faults[-1]["injected_at"]
-        t_w = time.monotonic()  # a row, and the replacement of replica 0 (at most 4 minutes)
-        self.wait(lambda: rows.after(t) >= 1 and (
-            len(set(self.engines().values())) == 2 or time.monotonic() - t_w > 240))
+        t_w, seen = time.monotonic(), []  # replica 0 lost, then back in rotation (or 4 min)
+
+        def back() -> bool:
+            lost = self.lost_engines()
+            seen.extend([0] if 0 in lost else [])
+            return bool(seen) and 0 not in lost
+
+        self.wait(lambda: (back() or time.monotonic() - t_w > 240) and rows.after(t) >= 1)
         worker = self.engines()[1]
         pid = worker_pid(self.client, worker)
         t0 = time.time()
         os.kill(pid, signal.SIGSTOP)
         self.stopped = pid
-        self.record("engine_hang", t0, worker=worker, pid=pid, replica=1,
-                    stopped_s=CALL_TIMEOUT_S + 15)
-        time.sleep(20)  # while it hangs: an env host lost too
-        rollout = set(holders(self.client, "rollout-", skip=worker))
-        env = [w for w in holders(self.client, "env-host-", skip=worker) if w not in rollout]
-        self.kill("env_host_kill", env[0])
-        time.sleep(max(0.0, t0 + CALL_TIMEOUT_S + 15 - time.time()))
+        hang = self.record("engine_hang", t0, worker=worker, pid=pid, replica=1)
+        # Stopped until the run has marked it lost (a call past its deadline), at most 3 min.
+        t_w = time.monotonic()
+        while 1 not in self.lost_engines(skip=worker) and time.monotonic() - t_w < 180:
+            time.sleep(1)
         os.kill(pid, signal.SIGCONT)
         self.stopped = None
+        hang["stopped_s"] = round(time.time() - t0, 1)
+        self.wait(lambda: rows.after(t0 + hang["stopped_s"]) >= 1)
+        rollout = set(holders(self.client, "rollout-"))
+        env = [w for w in holders(self.client, "env-host-") if w not in rollout]
+        self.kill("env_host_kill", env[0])
 
 
 def _s(t: float | None, t0: float) -> float | None:
@@ -238,7 +256,8 @@ def fault_figures(f: dict[str, Any], out: dict[str, Any], rows: Rows,
     else:  # env host
         ev = [x["t"] for x in r.get("host_events", []) if x["t"] >= t0]
         e["detected_s"] = _s(ev[0], t0) if ev else None
-        e["recovered_s"] = rows.past(t0) and round(rows.past(t0), 1)
+        done = [t for t, _ in rows.rows if ev and t > ev[0]]  # its episodes re-issued, done
+        e["recovered_s"] = _s(done[0], t0) if done else None
         e["episodes_failed_reissued"] = r.get("counters", {}).get("failed", 0)
         e["episodes_lost"] = drops.get("host_lost", 0)
     e["recovered"] = e["detected_s"] is not None and e["recovered_s"] is not None
@@ -314,7 +333,7 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--iterations", type=int, default=16)
+    ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -354,7 +373,7 @@ def main() -> None:
     faults = chaos.get("faults", [])
     result: dict[str, Any] = {
         "command": "python benchmarks/chaos.py" + (
-            f" --iterations {args.iterations}" if args.iterations != 16 else ""),
+            f" --iterations {args.iterations}" if args.iterations != 20 else ""),
         "commit": commit, "workers": WORKERS, "overrides": ov, "wall_s": round(time.time() - t0),
         "completed": chaos["completed"], "iterations": chaos["iterations"],
         **{k: chaos.get(k) for k in ("consumed", "dropped", "pending", "duplicated",
