@@ -135,11 +135,14 @@ class Chaos:
 
     def lost_engines(self, skip: str | None = None) -> list[int]:
         """The rollout service's lost replicas, asked on its worker."""
-        for worker, keys in holders(self.client, "rollout-", skip=skip).items():
-            key = max(keys, key=lambda k: int(k.rsplit("-", 1)[1]))
-            return list(self.client.run(
-                lambda dask_worker, k=key: dask_worker.state.actors[k].lost_engines(),
-                workers=[worker])[worker])
+        try:  # a worker may be going away while we ask: ask again next time
+            for worker, keys in holders(self.client, "rollout-", skip=skip).items():
+                key = max(keys, key=lambda k: int(k.rsplit("-", 1)[1]))
+                return list(self.client.run(
+                    lambda dask_worker, k=key: dask_worker.state.actors[k].lost_engines(),
+                    workers=[worker])[worker])
+        except Exception:
+            pass
         return []
 
     def record(self, kind: str, t0: float, **extra: Any) -> dict[str, Any]:

@@ -127,7 +127,7 @@ def holders(client: Any, prefix: str, skip: str | None = None) -> dict[str, list
     worker not to ask, e.g. one under SIGSTOP)."""
     workers = [w for w in client.scheduler_info()["workers"] if w != skip]
     actors = client.run(lambda dask_worker: [str(k) for k in dask_worker.state.actors],
-                        workers=workers)
+                        workers=workers, on_error="ignore")  # a worker just killed: skipped
     return {a: [k for k in keys if k.startswith(prefix)] for a, keys in actors.items()
             if any(k.startswith(prefix) for k in keys)}
 
