@@ -14,10 +14,10 @@ it or not (benchmarks/chaos_services.py). The chaos schedule, by iterations done
   s3       after iteration 1: `weed mini` stopped and started again (same ports and data)
   trainer  kill -9 of the trainer worker once checkpoint 2 exists and iteration 2 is done
   rollout  kill -9 of the worker holding the rollout service once checkpoint 4 exists
-  engine   kill -9 of the worker of engine replica 0, once the run is past that restart
-  hang     SIGSTOP of the worker of engine replica 1 once an iteration is done and replica 0's
-           replacement is in rotation (or 4 min went by); SIGCONT once the run has marked it
-           lost (a call past cluster.call_timeout_s; at most 3 min)
+  hang     once the run is past that restart: SIGSTOP of the worker of engine replica 1;
+           SIGCONT once the run has marked it lost (a call past cluster.call_timeout_s; at
+           most 3 min)
+  engine   once replica 1 is back and an iteration is done: kill -9 of replica 0's worker
   env      an iteration later: kill -9 of the env-host worker not holding the rollout service
 
 Services stay down until a call of the run has found them down (at least 3 s, at most 20 s).
@@ -32,6 +32,7 @@ Writes results/chaos.json and prints one summary line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -174,7 +175,8 @@ class Chaos:
             self.error = f"{type(err).__name__}: {err}"
         finally:
             if self.stopped is not None:
-                os.kill(self.stopped, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):  # its cluster may be gone
+                    os.kill(self.stopped, signal.SIGCONT)
 
     def _run(self) -> None:
         rows = self.rows
@@ -191,16 +193,6 @@ class Chaos:
         self.kill("rollout_service_kill", rollout)
         t = self.faults[-1]["injected_at"]
         self.wait(lambda: rows.past(t) is not None)
-        self.kill("engine_kill", self.engines()[0], replica=0)
-        t = self.faults[-1]["injected_at"]
-        t_w, seen = time.monotonic(), []  # replica 0 lost, then back in rotation (or 4 min)
-
-        def back() -> bool:
-            lost = self.lost_engines()
-            seen.extend([0] if 0 in lost else [])
-            return bool(seen) and 0 not in lost
-
-        self.wait(lambda: (back() or time.monotonic() - t_w > 240) and rows.after(t) >= 1)
         worker = self.engines()[1]
         pid = worker_pid(self.client, worker)
         t0 = time.time()
@@ -209,12 +201,18 @@ class Chaos:
         hang = self.record("engine_hang", t0, worker=worker, pid=pid, replica=1)
         # Stopped until the run has marked it lost (a call past its deadline), at most 3 min.
         t_w = time.monotonic()
-        while 1 not in self.lost_engines(skip=worker) and time.monotonic() - t_w < 180:
+        while (1 not in self.lost_engines(skip=worker) and time.monotonic() - t_w < 180
+               and not rows.done.is_set()):
             time.sleep(1)
         os.kill(pid, signal.SIGCONT)
         self.stopped = None
         hang["stopped_s"] = round(time.time() - t0, 1)
-        self.wait(lambda: rows.after(t0 + hang["stopped_s"]) >= 1)
+        t_w = time.monotonic()  # probed back into rotation (or 3 min), and a row
+        self.wait(lambda: (1 not in self.lost_engines() or time.monotonic() - t_w > 180)
+                  and rows.after(t0 + hang["stopped_s"]) >= 1)
+        self.kill("engine_kill", self.engines()[0], replica=0)
+        t = self.faults[-1]["injected_at"]
+        self.wait(lambda: rows.after(t) >= 1)
         rollout = set(holders(self.client, "rollout-"))
         env = [w for w in holders(self.client, "env-host-") if w not in rollout]
         self.kill("env_host_kill", env[0])
@@ -336,7 +334,7 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -376,7 +374,7 @@ def main() -> None:
     faults = chaos.get("faults", [])
     result: dict[str, Any] = {
         "command": "python benchmarks/chaos.py" + (
-            f" --iterations {args.iterations}" if args.iterations != 20 else ""),
+            f" --iterations {args.iterations}" if args.iterations != 30 else ""),
         "commit": commit, "workers": WORKERS, "overrides": ov, "wall_s": round(time.time() - t0),
         "completed": chaos["completed"], "iterations": chaos["iterations"],
         **{k: chaos.get(k) for k in ("consumed", "dropped", "pending", "duplicated",
