@@ -320,6 +320,7 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
         res.update(consumed=audit.consumed, dropped=dict(drops), pending=audit.pending,
                    duplicated=len(audit.duplicates),
                    unaccounted=len(audit.missing) + len(audit.unexpected), ledger_ok=audit.ok,
+                   missing=audit.missing[:20], unexpected=audit.unexpected[:20],
                    restarts=out.get("restarts", []),
                    rollout_counters=out.get("rollout", {}).get("counters", {}),
                    engines_revived=out.get("rollout", {}).get("engines_revived", []))
