@@ -1,0 +1,400 @@
+"""Chaos benchmark: a clean run and a chaos run of the same config through the real flow; the
+chaos run loses workers and services at scripted points. Checks that it completes, that the
+final checkpoint's ledger accounts for every sample exactly once, and what each loss cost.
+
+Cluster (one per run): a Dask scheduler and nanny-managed workers on loopback, each worker its
+own process (a killed worker is started again by its nanny and joins as a new worker of its
+class, as a cluster manager would bring it back): H800 x1 (trainer), H20 x2 (two engine
+replicas), CPU x2 (env hosts; the rollout service on one). Tiny model, the default FrozenLake
+config; rewards through the local Lambda endpoint (its own process), the store on SeaweedFS
+(`weed mini`, S3), each behind a loopback forwarder that records when the run's calls reached
+it or not (benchmarks/chaos_services.py). The chaos schedule, by iterations done:
+
+  lambda   after iteration 0: the endpoint stopped (SIGTERM) and started again on its port
+  s3       after iteration 1: `weed mini` stopped and started again (same ports and data)
+  trainer  kill -9 of the trainer worker once checkpoint 2 exists and iteration 2 is done
+  rollout  kill -9 of the worker holding the rollout service once checkpoint 4 exists
+  hang     once the run is past that restart: SIGSTOP of the worker of engine replica 1;
+           SIGCONT once the run has marked it lost (a call past cluster.call_timeout_s; at
+           most 3 min)
+  engine   once replica 1 is back and an iteration is done: kill -9 of replica 0's worker
+  env      an iteration later: kill -9 of the env-host worker not holding the rollout service
+
+Services stay down until a call of the run has found them down (at least 3 s, at most 20 s).
+Per fault: detected_s (injection -> the run noticed: a call refused, the replica or host marked
+lost, the restart begun), recovered_s (injection -> the run is back: a call served again, the
+replica back in rotation, an iteration past the one the run had reached done), episodes lost.
+Writes results/chaos.json and prints one summary line.
+
+    python benchmarks/chaos.py            (~6-10 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.chaos_services import (  # noqa: E402
+    Endpoint,
+    Watch,
+    holders,
+    kill_worker,
+    worker_pid,
+)
+
+WORKERS = {"H800": 1, "H20": 2, "CPU": 2}
+CALL_TIMEOUT_S = 60  # a policy update takes ~35 s on a busy 2-core host: keep it generous
+LAST = 3  # final reward: mean of reward/mean over the last LAST iterations
+
+
+def overrides(iterations: int, s3_url: str, lambda_url: str) -> list[str]:
+    return ["rollout.num_groups=2", "rollout.group_size=4", "tasks.0.max_turns=8",
+            "eval.episodes=0", "cluster.dashboard=false", "storage.save_every=2",
+            "engine.replicas=2", f"cluster.call_timeout_s={CALL_TIMEOUT_S}",
+            "cluster.max_restarts=3", "rollout.env_timeout_s=30",
+            "rollout.engine_wait_timeout_s=300", f"iterations={iterations}",
+            "storage.root=s3://rollart/chaos", f"storage.endpoint_url={s3_url}",
+            "storage.region=us-east-1", "reward.backend=lambda", "reward.function=env_outcome",
+            "reward.function_name=env_outcome", f"reward.endpoint_url={lambda_url}",
+            "reward.max_concurrency=4"]
+
+
+class Rows:
+    """Progress reporter: when each iteration's row was reported (a restart reports again)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, int]] = []
+        self.done = threading.Event()
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self.rows.append((time.time(), int(row["iter"])))
+
+    def reached(self, before: float | None = None) -> int:
+        return max((i for t, i in self.rows if before is None or t < before), default=-1)
+
+    def past(self, t0: float) -> float | None:
+        """Seconds from t0 until an iteration past the one reached at t0 was done."""
+        top = self.reached(t0)
+        return next((t - t0 for t, i in self.rows if t > t0 and i > top), None)
+
+    def after(self, t0: float) -> int:
+        return sum(1 for t, _ in self.rows if t > t0)
+
+
+class Chaos:
+    """Injects the schedule from a thread while the flow runs; records what it did."""
+
+    def __init__(self, run_id: str, client: Any, store: Any, rows: Rows, s3: Any,
+                 s3_watch: Watch, endpoint: Endpoint, lambda_watch: Watch) -> None:
+        self.run_id, self.client, self.store, self.rows = run_id, client, store, rows
+        self.s3, self.s3_watch, self.endpoint, self.lambda_watch = s3, s3_watch, endpoint, \
+            lambda_watch
+        self.faults: list[dict[str, Any]] = []
+        self.error: str | None = None
+        self.stopped: int | None = None  # pid under SIGSTOP
+
+    def wait(self, ready: Any, timeout: float = 1500) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.rows.done.is_set():
+                raise RuntimeError("the run ended before the fault was due")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the fault's moment never came")
+            time.sleep(0.5)
+
+    def checkpoint(self, step: int) -> bool:
+        try:
+            self.store.fs.invalidate_cache()
+            return step in self.store.list_checkpoints()
+        except Exception:
+            return False
+
+    def engines(self) -> dict[int, str]:
+        """Replica index -> worker, for the current attempt's engines."""
+        out: dict[int, tuple[int, str]] = {}
+        for worker, keys in holders(self.client, f"engine-{self.run_id}-").items():
+            for k in keys:
+                attempt, index = k.removeprefix(f"engine-{self.run_id}-").split("-")[:2]
+                if int(attempt) >= out.get(int(index), (-1, ""))[0]:
+                    out[int(index)] = (int(attempt), worker)
+        return {i: w for i, (_, w) in out.items()}
+
+    def lost_engines(self, skip: str | None = None) -> list[int]:
+        """The rollout service's lost replicas, asked on its worker."""
+        try:  # a worker may be going away while we ask: ask again next time
+            for worker, keys in holders(self.client, "rollout-", skip=skip).items():
+                key = max(keys, key=lambda k: int(k.rsplit("-", 1)[1]))
+                return list(self.client.run(
+                    lambda dask_worker, k=key: dask_worker.state.actors[k].lost_engines(),
+                    workers=[worker])[worker])
+        except Exception:
+            pass
+        return []
+
+    def record(self, kind: str, t0: float, **extra: Any) -> dict[str, Any]:
+        f = {"kind": kind, "injected_at": t0, "reached": self.rows.reached(t0), **extra}
+        self.faults.append(f)
+        return f
+
+    def restart(self, kind: str, stop: Any, start: Any, watch: Watch) -> None:
+        """Down until a call of the run found it down (3-20 s), then started again."""
+        t0 = time.time()
+        stop()
+        time.sleep(3)
+        deadline = time.monotonic() + 17
+        while watch.first(t0, False) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        t_up = time.time()
+        start()
+        self.record(kind, t0, down_s=round(t_up - t0, 1), restarted_at=time.time(), watch=watch)
+
+    def kill(self, kind: str, worker: str, **extra: Any) -> None:
+        t0 = time.time()
+        pid = kill_worker(self.client, worker)
+        self.record(kind, t0, worker=worker, pid=pid, **extra)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as err:  # reported in the result, never silently
+            self.error = f"{type(err).__name__}: {err}"
+        finally:
+            if self.stopped is not None:
+                with contextlib.suppress(ProcessLookupError):  # its cluster may be gone
+                    os.kill(self.stopped, signal.SIGCONT)
+
+    def _run(self) -> None:
+        rows = self.rows
+        self.wait(lambda: rows.reached() >= 0)
+        self.restart("lambda_restart", self.endpoint.stop, self.endpoint.start,
+                     self.lambda_watch)
+        self.wait(lambda: rows.reached() >= 1)
+        self.restart("s3_restart", self.s3.stop, self.s3.start, self.s3_watch)
+        self.wait(lambda: rows.reached() >= 2 and self.checkpoint(2))
+        self.kill("trainer_kill", next(iter(holders(self.client, "trainer-"))))
+        t = self.faults[-1]["injected_at"]
+        self.wait(lambda: rows.past(t) is not None and self.checkpoint(4) and rows.reached() >= 4)
+        rollout = next(iter(holders(self.client, "rollout-")))
+        self.kill("rollout_service_kill", rollout)
+        t = self.faults[-1]["injected_at"]
+        self.wait(lambda: rows.past(t) is not None)
+        worker = self.engines()[1]
+        pid = worker_pid(self.client, worker)
+        t0 = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        self.stopped = pid
+        hang = self.record("engine_hang", t0, worker=worker, pid=pid, replica=1)
+        # Stopped until the run has marked it lost (a call past its deadline), at most 3 min.
+        t_w = time.monotonic()
+        while (1 not in self.lost_engines(skip=worker) and time.monotonic() - t_w < 180
+               and not rows.done.is_set()):
+            time.sleep(1)
+        os.kill(pid, signal.SIGCONT)
+        self.stopped = None
+        hang["stopped_s"] = round(time.time() - t0, 1)
+        t_w = time.monotonic()  # probed back into rotation (or 3 min), and a row
+        self.wait(lambda: (1 not in self.lost_engines() or time.monotonic() - t_w > 180)
+                  and rows.after(t0 + hang["stopped_s"]) >= 1)
+        self.kill("engine_kill", self.engines()[0], replica=0)
+        t = self.faults[-1]["injected_at"]
+        self.wait(lambda: rows.after(t) >= 1)
+        rollout = set(holders(self.client, "rollout-"))
+        env = [w for w in holders(self.client, "env-host-") if w not in rollout]
+        self.kill("env_host_kill", env[0])
+
+
+def _s(t: float | None, t0: float) -> float | None:
+    return None if t is None else round(t - t0, 1)
+
+
+def fault_figures(f: dict[str, Any], out: dict[str, Any], rows: Rows,
+                  drops: Counter[str], per_iteration: int) -> dict[str, Any]:
+    t0, kind = f["injected_at"], f["kind"]
+    r = out.get("rollout", {})
+    e: dict[str, Any] = {"kind": kind, **{k: v for k, v in f.items() if k in (
+        "worker", "replica", "down_s", "stopped_s")}, "at_iteration": f["reached"] + 1}
+    if kind in ("lambda_restart", "s3_restart"):
+        w: Watch = f["watch"]
+        e["detected_s"] = _s(w.first(t0, False), t0)
+        e["recovered_s"] = _s(w.first(f["restarted_at"], True), t0)
+        e["calls_refused"] = w.count(t0, f["restarted_at"], False)
+        e["run_past_it_s"] = rows.past(t0) and round(rows.past(t0), 1)
+        e["episodes_lost"] = 0  # a reward or store call that gives up fails the whole run
+    elif kind in ("trainer_kill", "rollout_service_kill"):
+        rs = [x for x in out.get("restarts", []) if x["failed_at"] >= t0]
+        e["detected_s"] = _s(rs[0]["failed_at"], t0) if rs else None
+        e["recovered_s"] = rows.past(t0) and round(rows.past(t0), 1)
+        if rs:
+            e.update(lost=rs[0]["lost"], from_checkpoint=rs[0]["from_checkpoint"],
+                     iterations_redone=f["reached"] + 1 - rs[0]["from_checkpoint"])
+            e["episodes_rerun"] = e["iterations_redone"] * per_iteration
+        e["episodes_lost"] = 0  # rolled back with their updates, issued again (same ids)
+    elif kind in ("engine_kill", "engine_hang"):
+        ev = r.get("engine_events", [])
+        lost = [x["t"] for x in ev if x["replica"] == f["replica"] and x["event"] == "lost"
+                and x["t"] >= t0]
+        back = [x for x in r.get("engines_revived", []) if x["replica"] == f["replica"]
+                and x["t"] >= t0]
+        e["detected_s"] = _s(lost[0], t0) if lost else None
+        e["recovered_s"] = _s(back[0]["t"], t0) if back else None
+        e["how"] = back[0]["how"] if back else None
+        e["episodes_lost"] = drops.get("engine_error", 0)
+    else:  # env host
+        ev = [x["t"] for x in r.get("host_events", []) if x["t"] >= t0]
+        e["detected_s"] = _s(ev[0], t0) if ev else None
+        done = [t for t, _ in rows.rows if ev and t > ev[0]]  # its episodes re-issued, done
+        e["recovered_s"] = _s(done[0], t0) if done else None
+        e["episodes_failed_reissued"] = r.get("counters", {}).get("failed", 0)
+        e["episodes_lost"] = drops.get("host_lost", 0)
+    e["recovered"] = e["detected_s"] is not None and e["recovered_s"] is not None
+    return e
+
+
+def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
+            endpoint: Endpoint, chaos: bool) -> dict[str, Any]:
+    from distributed import Client
+
+    from flows.train import train
+    from infra.dask_cluster import HardwareClassCluster
+    from rollart import progress
+    from rollart.config import load_config
+    from rollart.storage.checkpointing import audit_ledger
+    from rollart.storage.ledger import SampleLedger
+    from rollart.storage.store import RunStore
+
+    cfg = load_config("configs/default.yaml", ov)
+    direct = cfg.storage.model_copy(update={"endpoint_url": s3.endpoint_url})  # not watched
+    store = RunStore.from_config(direct, run_id)
+    rows = Rows()
+    progress.clear()
+    progress.install(rows)
+    t0 = time.time()
+    res: dict[str, Any] = {"run_id": run_id, "completed": False, "error": None}
+    out: Any = {}
+    injector: Chaos | None = None
+    with HardwareClassCluster(workers=WORKERS, dashboard=False) as cluster, \
+            Client(cluster.scheduler_address) as client:
+        if chaos:
+            injector = Chaos(run_id, client, store, rows, s3, watches["s3"], endpoint,
+                             watches["lambda"])
+            thread = threading.Thread(target=injector.run, daemon=True)
+            thread.start()
+        try:
+            out = train(config="configs/default.yaml", overrides=ov, run_id=run_id,
+                        scheduler_address=cluster.scheduler_address)
+        except Exception as err:
+            res["error"] = f"{type(err).__name__}: {err}"[:2000]
+        rows.done.set()
+        if injector is not None:
+            thread.join(timeout=CALL_TIMEOUT_S + 30)
+    progress.clear()
+    n = cfg.iterations
+    store.fs.invalidate_cache()
+    metrics = store.read_jsonl("metrics.jsonl") if store.exists("metrics.jsonl") else []
+    its = [int(r["iteration"]) for r in metrics]
+    res.update(wall_s=round(time.time() - t0, 1), iterations=len(metrics),
+               completed=isinstance(out, dict) and bool(out) and its == list(range(n)),
+               reward_curve=[round(r["reward/mean"], 3) for r in metrics])
+    if len(metrics) >= LAST:
+        res["final_reward"] = round(statistics.mean(r["reward/mean"] for r in metrics[-LAST:]), 4)
+    if isinstance(out, dict) and out and n in store.list_checkpoints():
+        files, _ = store.load_checkpoint(n, only=["ledger.json"])
+        ledger = SampleLedger.from_json(files["ledger.json"])
+        audit = audit_ledger(ledger, cfg, n)
+        drops = Counter(str(x[4]) for x in ledger.records if x[2] == "dropped")
+        res.update(consumed=audit.consumed, dropped=dict(drops), pending=audit.pending,
+                   duplicated=len(audit.duplicates),
+                   unaccounted=len(audit.missing) + len(audit.unexpected), ledger_ok=audit.ok,
+                   missing=audit.missing[:20], unexpected=audit.unexpected[:20],
+                   restarts=out.get("restarts", []),
+                   rollout_counters=out.get("rollout", {}).get("counters", {}),
+                   engines_revived=out.get("rollout", {}).get("engines_revived", []))
+    if injector is not None:
+        per_it = cfg.rollout.num_groups * cfg.rollout.group_size
+        drops = Counter(res.get("dropped", {}))
+        res["faults"] = [fault_figures(f, out if isinstance(out, dict) else {}, rows, drops,
+                                       per_it) for f in injector.faults]
+        res["injector_error"] = injector.error
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from infra.prefect_server import free_port, start_server
+    from infra.seaweed import start_seaweed
+    from rollart.rewards.client import LambdaCredentials
+
+    tmp = Path(tempfile.mkdtemp(prefix="rollart-chaos-"))
+    server = start_server(state_dir=tmp / "prefect", port=free_port())
+    os.environ.update(server.client_env())
+    if "prefect.context" in sys.modules:  # settings are read once, at import
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
+    s3 = start_seaweed(tmp / "seaweed")
+    creds = LambdaCredentials.generate()
+    # Workers inherit these: the store's key, the Lambda key pair the endpoint verifies.
+    os.environ.update({"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+                       "AWS_DEFAULT_REGION": s3.region, **creds.env()})
+    endpoint = Endpoint(free_port(), "env_outcome", creds.env(), tmp / "lambda.log").start()
+    watches = {"s3": Watch(s3.ports["s3"]), "lambda": Watch(endpoint.port)}
+    ov = overrides(args.iterations, watches["s3"].url, watches["lambda"].url)
+    t0 = time.time()
+    try:
+        clean = one_run("clean", ov, s3, watches, endpoint, chaos=False)
+        chaos = one_run("chaos", ov, s3, watches, endpoint, chaos=True)
+    finally:
+        endpoint.stop()
+        s3.stop()
+        server.stop()
+        for w in watches.values():
+            w.close()
+    gap = (round(clean["final_reward"] - chaos["final_reward"], 4)
+           if "final_reward" in clean and "final_reward" in chaos else None)
+    faults = chaos.get("faults", [])
+    result: dict[str, Any] = {
+        "command": "python benchmarks/chaos.py" + (
+            f" --iterations {args.iterations}" if args.iterations != 30 else ""),
+        "commit": commit, "workers": WORKERS, "overrides": ov, "wall_s": round(time.time() - t0),
+        "completed": chaos["completed"], "iterations": chaos["iterations"],
+        **{k: chaos.get(k) for k in ("consumed", "dropped", "pending", "duplicated",
+                                     "unaccounted", "ledger_ok")},
+        "faults": faults,
+        "all_recovered": bool(faults) and all(f["recovered"] for f in faults),
+        "reward_gap": gap,
+        "reward_gap_is": f"clean minus chaos, mean reward/mean over the last {LAST} iterations",
+        "clean": clean, "chaos": chaos,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"chaos: completed={result['completed']} iterations={result['iterations']} "
+          f"consumed={result['consumed']} dropped={sum((result['dropped'] or {}).values())} "
+          f"duplicated={result['duplicated']} unaccounted={result['unaccounted']} "
+          f"reward_gap={gap} faults "
+          + " ".join(f"{f['kind']}:{f['detected_s']}/{f['recovered_s']}s"
+                     + ("" if f["recovered"] else "(NOT recovered)") for f in faults)
+          + f" wall {result['wall_s']}s -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
