@@ -1,7 +1,7 @@
 """Engine replica loss in the rollout service, in one process (real tiny policy, HF engines,
 in-process env host). A replica "dies" the way a lost worker looks from the caller: its calls
 raise the OSError Dask raises for an unreachable actor (the real worker kill is in
-tests/integration/test_engine_failover.py)."""
+tests/integration/test_engine_worker_loss.py)."""
 
 import threading
 import time
