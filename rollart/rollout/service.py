@@ -97,6 +97,7 @@ class RolloutService:
         self._probing: set[int] = set()
         self._seq = itertools.count()
         self._launched: dict[str, int] = {}  # episode id -> launch sequence number
+        self._taken: tuple[int, Any] | None = None  # the last batch handed out, by update
         self.stopping = False
         self.deferred: list[Start] = []  # restored members (snapshot.restore) to launch at start
         self.started_at = time.perf_counter()
@@ -149,10 +150,16 @@ class RolloutService:
 
     # ---- the trainer's side ----------------------------------------------------------------
     def try_take(self, update: int) -> tuple[list[Trajectory], dict[str, Any]] | None:
-        """The trajectories of `num_groups` complete groups for update `update`, or None."""
+        """The trajectories of `num_groups` complete groups for update `update`, or None.
+        Asked again for the update it last answered, it answers the same: Dask re-runs a
+        collect stage whose worker died after the batch was taken (an env-host worker, say),
+        and the scheduler has moved on to the next update, so a fresh take would wait for
+        ever. The trainer refuses to apply an update twice (`UpdateOutOfOrder`)."""
         with self.lock:
             if self.fatal is not None:
                 raise RuntimeError(f"rollout service failed: {self.fatal}") from self.fatal
+            if self._taken is not None and self._taken[0] == update:
+                return self._taken[1]
             batch = self.sched.take_batch(update)
             self._record_discarded()
             self._fill()
@@ -164,7 +171,9 @@ class RolloutService:
                           key=self._launched.pop)
             trajs = [self.done.pop(e) for e in kept]
             drops, self.totals.drops = self.totals.drops, []
-            return trajs, {"dropped": drops, "metrics": self._metrics(trajs)}
+            out = trajs, {"dropped": drops, "metrics": self._metrics(trajs)}
+            self._taken = (update, out)
+            return out
 
     def take_batch(self, update: int, timeout: float | None = None
                    ) -> tuple[list[Trajectory], dict[str, Any]]:

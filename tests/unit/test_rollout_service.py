@@ -86,6 +86,22 @@ def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, o
         assert c.get("dropped_stale_groups", 0) == 0 and c.get("cancelled_stale", 0) == 0
 
 
+def test_a_batch_asked_for_again_is_the_same_batch(policy):
+    """A collect stage re-run by Dask (its worker died after taking the batch) gets the batch it
+    took, not a wait for ever on an update the scheduler has moved past."""
+    svc = _service(policy, "rollout.max_staleness=0", "rollout.batching=lockstep")
+    svc.start()
+    try:
+        trajs, info = svc.take_batch(0, timeout=60)
+        started = svc.sched.counters["groups_started"]
+        again, info2 = svc.take_batch(0, timeout=5)
+        assert [t.sample_id for t in again] == [t.sample_id for t in trajs] and info2 is info
+        assert svc.sched.counters["groups_started"] == started  # nothing new issued
+        assert svc.sched.next_update == 1
+    finally:
+        svc.stop()
+
+
 def test_failed_is_per_batch_and_failed_total_cumulative(policy):
     svc = _service(policy)  # not started: the counters are set by hand
     svc.sched.counters["failed"] += 2
