@@ -327,9 +327,9 @@ class Repacker:
     After a weight update every linear layer computes with `F.linear` on its (already updated)
     plain weight; this thread rebuilds each layer's oneDNN-packed copy and switches the layer
     to it (one attribute assignment: a decode step uses either, both with the new weights).
-    The sync pause is then the copy alone (~0.1 s for SmolLM2-135M instead of ~0.4 s with the
-    packing), and generation runs ~10-40 % slower per layer only until its packing is done
-    (results/vs_trl.json: sync_s). The next update waits for this one's packing first, so a
+    The sync pause is then the copy alone (results/vs_trl.json: sync_s), and a layer computes
+    with the slower unpacked GEMM only until its packing is done. The next update waits for
+    this one's packing first, so a
     packed copy is never built from weights that are being overwritten."""
 
     def __init__(self) -> None:
