@@ -29,11 +29,13 @@ from rollart.storage.background import shard_writer
 from rollart.types import SamplingParams, Trajectory
 
 
-def run_stage(stage: str, *args: Any, call_timeout_s: float | None = None) -> Any:
+def run_stage(stage: str, *args: Any, call_timeout_s: float | None = None,
+              after: Any = None) -> Any:
     """Stage `stage` with its actor handles re-attached (`rollart.handles.detach`): how a flow
     submits a stage as a raw Dask task without making it depend on every actor it calls.
     `call_timeout_s`: the run's call deadline, set in this worker process first (a worker
-    that (re)joined mid-run has no service yet that would have set it)."""
+    that (re)joined mid-run has no service yet that would have set it). `after`: the values
+    of stages that must end first (Dask futures when submitted; their values are unused)."""
     if call_timeout_s is not None:
         set_call_timeout(call_timeout_s)
     return globals()[stage](*attach(args))
