@@ -4,8 +4,9 @@ runner through which the iteration driver submits them.
 Tasks are coarse on purpose: a Prefect task through DaskTaskRunner costs ~0.2-0.3 s, so the
 per-turn traffic stays inside the rollout service (raw Dask actor calls between its threads,
 the engines and the env hosts) and Prefect sees stages.
-Routing to hardware classes is `dask.annotate(resources=...)` at submission (task tags do not
-route): `PrefectStages` annotates each stage with the class `cluster.stages` maps its role to.
+Routing to hardware classes: `dask.annotate(resources=...)` around a DaskTaskRunner submission,
+or `resources=` on a raw Dask submission (task tags do not route); `PrefectStages` picks the
+class `cluster.stages` maps the stage's role to.
 """
 
 from __future__ import annotations
