@@ -148,3 +148,31 @@ def test_affinity_branch_is_a_race_that_the_measured_host_overhead_decides(aff):
     assert any(r["crossed_runs"]) and not all(r["crossed_runs"])
     # round robin's repeats are all reproduced: no race to explain
     assert "round_robin" not in aff["race"]
+
+
+def test_affinity_at_time_scale_10_is_predicted_in_every_repeat():
+    """`benchmarks/affinity.py --time-scale 10` (results/affinity_ts10.json): batches ten times
+    longer, so the race the time-scale-1 run loses to ms of host time has a ~320 ms margin. The
+    simulated router takes the measured decisions in every repeat of both policies, and every
+    wall, the medians and the speedup are within the tolerance."""
+    v = validate_affinity(load("affinity_ts10"))
+    assert v["instrument"], v.get("why_not")
+    assert set(v["scored"]) == {"affinity_wall", "round_robin_wall", "speedup"}
+    for policy in ("affinity", "round_robin"):
+        r = v["policies"][policy]
+        assert all(r["same_decisions_runs"]), policy
+        assert max(r["error_runs"]) <= TOLERANCE, (policy, r["error_runs"])
+    assert v["max_error"] <= TOLERANCE and v["speedup_error"] <= TOLERANCE
+    # and affinity routing pays on it: round robin / affinity well above 1
+    assert load("affinity_ts10")["speedup_vs_round_robin_min"] > 1.3
+
+
+def test_validation_scores_the_time_scale_10_affinity_file_and_reports_the_other():
+    from rollart.sim.validate import validate_all
+
+    val = validate_all(RESULTS, seeds=8)
+    assert val["affinity"]["file"].endswith("affinity_ts10.json")
+    assert val["max_error_all"] <= TOLERANCE, {k: v["max_error"] for k, v in val.items()
+                                               if isinstance(v, dict)}
+    ts1 = val["affinity_time_scale_1"]
+    assert not ts1["instrument"] and ts1["max_error"] > val["max_error_all"]
