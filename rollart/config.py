@@ -174,6 +174,10 @@ class RolloutConfig(_Strict):
     # ready go (turn-level continuous batching; episodes never wait for each other).
     batching: Literal["lockstep", "continuous"] = "lockstep"
     batch_wait_s: float = Field(0.002, ge=0.0)  # continuous: wait this long to fill a batch
+    # "threads": one Python thread per live episode (and per engine batcher); "asyncio": every
+    # episode a task on one event loop thread (rollart/rollout/aio_runner.py), thread count
+    # independent of the number of episodes. Same scheduler, ledger and metrics.
+    runner: Literal["threads", "asyncio"] = "threads"
 
     @model_validator(mode="after")
     def _group(self) -> RolloutConfig:

@@ -71,6 +71,9 @@ class SchedulerConfig:
     max_updates: int | None = None  # updates the run will take; no group starts after the last
     max_consecutive_failures: int = 0  # this many failures in a row make `halted` true; 0: never
     task_shares: tuple[tuple[str, float], ...] = (("default", 1.0),)
+    # Groups per batch of each task for this scheduler, when it runs one shard of the batch
+    # (rollart/rollout/shards.py); None: split `batch_groups` by `task_shares`.
+    quota: tuple[tuple[str, int], ...] | None = None
 
 
 def split_by_share(total: int, shares: list[float]) -> list[int]:
@@ -103,8 +106,8 @@ class RolloutScheduler:
         self.discarded: list[tuple[str, str]] = []
         names = [t for t, _ in cfg.task_shares]
         # Groups per batch of each task (largest remainder over the shares).
-        self.quota = dict(zip(names, split_by_share(cfg.batch_groups,
-                                                    [w for _, w in cfg.task_shares]), strict=True))
+        self.quota = dict(cfg.quota) if cfg.quota is not None else dict(zip(
+            names, split_by_share(cfg.batch_groups, [w for _, w in cfg.task_shares]), strict=True))
         self._next_group = 0
         # Per-task group counters; resuming at iteration i continues the plan from there.
         self._task_counts: Counter[str] = Counter(

@@ -28,10 +28,12 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from rollart.config import RunConfig
 from rollart.models.chat import ChatFormat
+from rollart.rollout.aio_runner import AsyncBatcher, AsyncRunner
 from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode, call
 from rollart.rollout.env_host import HostedEnv
 from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
@@ -39,6 +41,7 @@ from rollart.rollout.failover import EngineHealth, NoReplicaLeft, ReplicaLost, i
 from rollart.rollout.plan import plan_namer
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
 from rollart.rollout.service_metrics import service_metrics
+from rollart.rollout.shards import shard_namer, shard_quota
 from rollart.rollout.turn_router import TurnRouter
 from rollart.routing.router import NoHealthyReplica
 from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
@@ -62,8 +65,13 @@ class _Totals:
 class RolloutService:
     def __init__(self, cfg: RunConfig, chat: ChatFormat, engines: list[Any], hosts: list[Any],
                  reward_client: Any, params: dict[str, SamplingParams], version: int = 0,
-                 max_context: int = 1024) -> None:
+                 max_context: int = 1024, shard: tuple[int, int] = (0, 1)) -> None:
+        """`shard` (k, n): this service runs shard k of n (rollart/rollout/shards.py): its
+        scheduler owns the groups of its slots of every batch, under the same rules."""
         r = cfg.rollout
+        self.shard = shard
+        quota = shard_quota(cfg, *shard) if shard[1] > 1 else None
+        namer = plan_namer(cfg)
         self.cfg, self.chat, self.reward, self.params = cfg, chat, reward_client, params
         self.hosts, self.hosts_alive = hosts, [True] * len(hosts)
         self.host_events: list[dict[str, Any]] = []
@@ -74,13 +82,18 @@ class RolloutService:
                             max_staleness=r.max_staleness, redundancy=r.redundancy,
                             max_retries=r.max_retries, max_updates=cfg.iterations,
                             max_consecutive_failures=r.max_consecutive_failures,
-                            task_shares=tuple((t.name, t.share) for t in cfg.tasks)),
-            version=version, group_of=plan_namer(cfg), first_iteration=version)
+                            task_shares=tuple((t.name, t.share) for t in cfg.tasks),
+                            quota=quota),
+            version=version, first_iteration=version,
+            group_of=shard_namer(cfg, namer, *shard) if shard[1] > 1 else namer)
         lockstep = r.batching == "lockstep"
-        self.batchers = [
-            EngineBatcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
-                          (lambda i=i: self._members(i)) if lockstep else None,
-                          lambda ids, busy, i=i: self.routing.served(i, ids, busy))
+        # asyncio: episodes are tasks on one event loop thread (rollart/rollout/aio_runner.py)
+        self.runner = AsyncRunner(self) if r.runner == "asyncio" else None
+        self.batchers: list[Any] = [
+            (EngineBatcher if self.runner is None else partial(AsyncBatcher, self.runner))(
+                e, cfg.engine.max_batch_size, r.batch_wait_s,
+                (lambda i=i: self._members(i)) if lockstep else None,
+                lambda ids, busy, i=i: self.routing.served(i, ids, busy))
             for i, e in enumerate(engines)]
         # Continuous batching routes every turn (hardware affinity, stickiness, spill); lockstep
         # keeps each episode on the replica it started on (its batch waits for its members).
@@ -116,9 +129,12 @@ class RolloutService:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        for b in self.batchers:
-            b.thread = self._spawn(b.loop, name="rollout-batcher")
-        self._watchdog.start()
+        if self.runner is not None:
+            self.runner.start()  # its timers do the watchdog's work
+        else:
+            for b in self.batchers:
+                b.thread = self._spawn(b.loop, name="rollout-batcher")
+            self._watchdog.start()
         with self.lock:
             self._launch(self.deferred)
             self.deferred = []
@@ -145,7 +161,10 @@ class RolloutService:
             self.live.clear()
         for b in self.batchers:
             b.stop()
-        self._watchdog.join(timeout=1.0)
+        if self.runner is not None:
+            self.runner.stop()
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=1.0)
         return self.stats()
 
     # ---- the trainer's side ----------------------------------------------------------------
@@ -210,15 +229,23 @@ class RolloutService:
             self.fatal = RuntimeError("every env host is lost (their workers died)")
             self.lock.notify_all()
             return
+        if not starts:
+            return
+        # Counted once per call and kept up to date (not once per start: O(live) each)
+        on_engine = Counter(x.engine for x in self.live.values())
+        on_host = Counter(x.host for x in self.live.values())
+        engines = self.health.alive_indices() or range(len(self.batchers))  # else: waits
         for st in starts:
-            on_engine = Counter(x.engine for x in self.live.values())
-            on_host = Counter(x.host for x in self.live.values())
-            engines = self.health.alive_indices() or range(len(self.batchers))  # else: waits
             live = LiveEpisode(st, engine=min(engines, key=lambda i: on_engine[i]),
                                host=min(alive, key=lambda i: on_host[i]))
+            on_engine[live.engine] += 1
+            on_host[live.host] += 1
             self.live[st.episode_id] = live
             self._launched[st.episode_id] = next(self._seq)
-            self._spawn(self._run, live, name=f"episode {st.episode_id}")
+            if self.runner is not None:
+                self.runner.launch(live)
+            else:
+                self._spawn(self._run, live, name=f"episode {st.episode_id}")
 
     def _run(self, live: LiveEpisode) -> None:
         st = live.start
@@ -323,6 +350,10 @@ class RolloutService:
                 self.fatal = err
                 self.lock.notify_all()
             return
+        self._scored(live, traj)
+
+    def _scored(self, live: LiveEpisode, traj: Trajectory) -> None:
+        """`traj` has its reward: it joins its group (or is dropped, late)."""
         with self.lock:
             if live.cancelled or self.live.pop(live.id, None) is None:
                 return
@@ -406,13 +437,19 @@ class RolloutService:
             now = time.monotonic()
             for live in list(self.live.values()):
                 if live.deadline is not None and now > live.deadline:
-                    self.recent_errors.append(
-                        f"{live.id}: env call past rollout.env_timeout_s "
-                        f"({self.cfg.rollout.env_timeout_s} s)")
-                    self._failed(live, "timeout", timeout=True)
-                    if live.host not in self._probing and self.hosts_alive[live.host]:
-                        self._probing.add(live.host)
-                        self._spawn(self._probe, live.host, name="rollout-probe")
+                    self._expired(live)
+
+    def _expired(self, live: LiveEpisode) -> None:
+        """An env call of `live` ran past `rollout.env_timeout_s`: the episode fails (and is
+        re-issued); a probe asks whether its host is still there."""
+        if live.cancelled:
+            return
+        self.recent_errors.append(f"{live.id}: env call past rollout.env_timeout_s "
+                                  f"({self.cfg.rollout.env_timeout_s} s)")
+        self._failed(live, "timeout", timeout=True)
+        if live.host not in self._probing and self.hosts_alive[live.host]:
+            self._probing.add(live.host)
+            self._spawn(self._probe, live.host, name="rollout-probe")
 
     # ---- metrics -------------------------------------------------------------------------
     def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
