@@ -178,6 +178,11 @@ class RolloutConfig(_Strict):
     # episode a task on one event loop thread (rollart/rollout/aio_runner.py), thread count
     # independent of the number of episodes. Same scheduler, ledger and metrics.
     runner: Literal["threads", "asyncio"] = "threads"
+    # asyncio runner only: the process's garbage-collector thresholds while it runs (after a
+    # gc.freeze() of everything allocated before). Python's defaults (700, 10, 10) collect so
+    # often at thousands of live episodes that a full collection stalls the loop for ~0.5 s
+    # (measured: benchmarks/rollout_scale.py); None leaves the process's settings alone.
+    gc_threshold: tuple[int, int, int] | None = (50_000, 20, 100)
 
     @model_validator(mode="after")
     def _group(self) -> RolloutConfig:

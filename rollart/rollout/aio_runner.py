@@ -7,7 +7,13 @@ each 50 ms. Here one event loop (one thread) runs them all:
     episode task   (one per live episode) open env -> [route -> batcher -> step env]* -> reward
     batcher task   (one per engine replica) drains queued turns into one `generate` call;
                    up to `engine.concurrent_calls` calls in flight (1 unless the engine says so)
-    timer          one `call_later` per env call fails the episode past `rollout.env_timeout_s`
+    sweeper        fails an episode whose env call runs past `rollout.env_timeout_s` (it checks
+                   the live episodes' deadlines every timeout / 20, 0.05 .. 1 s: a timer per env
+                   call cost more than the sweep at thousands of episodes)
+
+The loop waits in select(2), not epoll: it watches one file (its wake-up pipe), and select takes
+microsecond timeouts where epoll rounds every wait up to a whole millisecond (a 2 ms
+`batch_wait_s` became 2-3 ms, and every emulated engine or env wait ran late by up to 1 ms).
 
 Handles whose method is a coroutine function (in-process async engines and env hosts, such as the
 emulated ones of benchmarks/rollout_scale.py) are awaited on the loop. Anything else (a Dask actor,
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import inspect
+import selectors
 import threading
 import time
 from collections import Counter
@@ -52,7 +60,7 @@ class AsyncRunner:
 
     def __init__(self, svc: Any) -> None:
         self.svc = svc
-        self.loop = asyncio.new_event_loop()
+        self.loop = asyncio.SelectorEventLoop(selectors.SelectSelector())
         self.pool = ThreadPoolExecutor(max(8, svc.cfg.rollout.env_host_threads),
                                        thread_name_prefix="rollout-io")
         self.tasks: set[asyncio.Task] = set()
@@ -64,10 +72,25 @@ class AsyncRunner:
 
     # ---- the loop ------------------------------------------------------------------------
     def start(self) -> None:
+        if self.svc.cfg.rollout.gc_threshold is not None:  # see RolloutConfig.gc_threshold
+            gc.freeze()
+            gc.set_threshold(*self.svc.cfg.rollout.gc_threshold)
         self.thread = self.svc._spawn(self._main, name="rollout-loop")
         self._ready.wait()
         for b in self.svc.batchers:
             self.in_loop(lambda b=b: self._keep(self.loop.create_task(b.run())))
+        self.in_loop(lambda: self._keep(self.loop.create_task(self._sweep())))
+
+    async def _sweep(self) -> None:
+        """The watchdog's rule (RolloutService._expired) on the loop, at a coarse period."""
+        svc = self.svc
+        period = min(1.0, max(0.05, svc.cfg.rollout.env_timeout_s / 20))
+        while not svc.stopping:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for live in list(svc.live.values()):  # a copy: other threads change `live`
+                if live.deadline is not None and now > live.deadline:
+                    svc._expired(live)
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -125,11 +148,11 @@ class AsyncRunner:
         reason = "env_error"
         t0 = time.perf_counter()
         try:
-            system, obs = await self._host(live, "open", live.id, st.task, st.seed)
+            opened = await self._host(live, "open", live.id, st.task, st.seed)
         except Exception:
             fail_episode(ep, "reset")
-        else:
-            begin_episode(ep, svc.chat, system, obs)
+        else:  # (system, observation[, prompt ids from a host that tokenizes])
+            begin_episode(ep, svc.chat, *opened)
         ep.timings["env_s"] += time.perf_counter() - t0
         try:
             while not ep.done and not live.cancelled:
@@ -190,14 +213,14 @@ class AsyncRunner:
     async def _host(self, live: LiveEpisode, method: str, *args: Any) -> Any:
         """An env-host call with the episode's timeout armed; a lost host is routed around."""
         svc = self.svc
-        timer = self.loop.call_later(svc.cfg.rollout.env_timeout_s, svc._expired, live)
+        live.deadline = time.monotonic() + svc.cfg.rollout.env_timeout_s
         try:
             return await self.call(svc.hosts[live.host], method, *args)
         except OSError:  # the host's worker is gone: route new episodes around it
             svc.host_lost(live.host)
             raise
         finally:
-            timer.cancel()
+            live.deadline = None
 
     async def _close(self, live: LiveEpisode) -> None:
         if self.svc.hosts_alive[live.host]:
@@ -210,11 +233,12 @@ class AsyncRunner:
                         ) -> Completion | None:
         """As RolloutService._generate: a turn lost with its replica goes to another one."""
         svc = self.svc
+        flags = svc.health.alive  # read without its lock: a list of bools, set in place
         while True:
-            alive = svc.health.alive_indices() or await self._wait_any(live)
-            if not alive:
-                return None
-            if live.engine not in alive:  # its replica is gone: the least loaded alive one
+            if not flags[live.engine]:  # its replica is gone: the least loaded alive one
+                alive = [i for i, ok in enumerate(flags) if ok] or await self._wait_any(live)
+                if not alive:
+                    return None
                 with svc.lock:
                     on = Counter(x.engine for x in svc.live.values())
                 live.engine = min(alive, key=lambda i: on[i])

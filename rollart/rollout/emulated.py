@@ -23,6 +23,7 @@ import asyncio
 import zlib
 from typing import Any
 
+from rollart.models.chat import ChatFormat
 from rollart.types import Completion, GenerationRequest
 
 OBSERVATION = "You stand on tile {pos} of 16. Goal: tile 15. Moves so far: {turn}."
@@ -66,10 +67,25 @@ class EmulatedEngine:
 class EmulatedEnvHost:
     """An env host whose envs only wait; episode `e` (seed s) ends after `turns(s)` steps."""
 
-    def __init__(self, step_s: float, min_turns: int = 4, max_turns: int = 8) -> None:
+    SYSTEM = "Reach the goal. Answer with <answer>MOVE</answer>."
+
+    def __init__(self, step_s: float, min_turns: int = 4, max_turns: int = 8,
+                 chat: ChatFormat | None = None) -> None:
+        """`chat`: answer with prompt ids too, as an env host that tokenizes its observations
+        would (computed once per distinct text here: the emulated host costs nothing)."""
         self.step_s, self.min_turns, self.max_turns = step_s, min_turns, max_turns
         self.envs: dict[str, list[int]] = {}  # episode id -> [turn, turns]
         self.opened = 0
+        self.chat = chat
+        self._ids: dict[tuple[bool, str], list[int]] = {}
+
+    def _prompt_ids(self, first: bool, obs: str) -> list[int]:
+        ids = self._ids.get((first, obs))
+        if ids is None:
+            c = self.chat
+            ids = (c.system(self.SYSTEM) if first else []) + c.user(obs) + c.assistant_header()
+            self._ids[(first, obs)] = ids
+        return list(ids)
 
     def turns(self, seed: int) -> int:
         return self.min_turns + seed % (self.max_turns - self.min_turns + 1)
@@ -78,20 +94,25 @@ class EmulatedEnvHost:
         """The wait of step `turn` of the episode (turn -1: the reset)."""
         return self.step_s * jitter(f"{episode_id}#{turn}")
 
-    async def open(self, episode_id: str, task: str, seed: int) -> tuple[str, str]:
+    async def open(self, episode_id: str, task: str, seed: int) -> tuple:
         await asyncio.sleep(self.nominal_s(episode_id, -1))
         self.envs[episode_id] = [0, self.turns(seed)]
         self.opened += 1
-        return "Reach the goal. Answer with <answer>MOVE</answer>.", \
-            OBSERVATION.format(pos=seed % 16, turn=0)
+        obs = OBSERVATION.format(pos=seed % 16, turn=0)
+        if self.chat is None:
+            return self.SYSTEM, obs
+        return self.SYSTEM, obs, self._prompt_ids(True, obs)
 
     async def step(self, episode_id: str, text: str) -> tuple[str, float, bool, bool, dict]:
         state = self.envs[episode_id]
         await asyncio.sleep(self.nominal_s(episode_id, state[0]))
         state[0] += 1
         done = state[0] >= state[1]
-        return (OBSERVATION.format(pos=state[0], turn=state[0]), 1.0 if done else 0.0, done,
-                False, {"action": "right", "format_ok": True, "success": done})
+        obs = OBSERVATION.format(pos=state[0], turn=state[0])
+        info: dict[str, Any] = {"action": "right", "format_ok": True, "success": done}
+        if self.chat is not None and not done:
+            info["prompt_ids"] = self._prompt_ids(False, obs)
+        return obs, 1.0 if done else 0.0, done, False, info
 
     async def close(self, episode_id: str) -> None:
         self.envs.pop(episode_id, None)

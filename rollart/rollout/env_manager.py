@@ -107,10 +107,14 @@ def fail_episode(ep: _Episode, where: str) -> None:
     _fail(ep, where)
 
 
-def begin_episode(ep: _Episode, chat: ChatFormat, system: str, observation: str) -> None:
-    """The env was reset: the system prompt, first observation and assistant header."""
+def begin_episode(ep: _Episode, chat: ChatFormat, system: str, observation: str,
+                  prompt_ids: list[int] | None = None) -> None:
+    """The env was reset: the system prompt, first observation and assistant header (their
+    ids as given, when an env host tokenized them, else tokenized here)."""
     ep.observation = observation
-    ep.extend(chat.system(system) + chat.user(observation) + chat.assistant_header(), 0)
+    if prompt_ids is None:
+        prompt_ids = chat.system(system) + chat.user(observation) + chat.assistant_header()
+    ep.extend(prompt_ids, 0)
     ep.pending_prompt_tokens = len(ep.traj.token_ids)
 
 
@@ -162,7 +166,9 @@ def record_step(ep: _Episode, comp: Completion, result: StepResult, env_s: float
     if terminated or truncated:
         ep.done = True
         return
-    next_ids = chat.user(obs) + chat.assistant_header()
+    # An env host that tokenizes its observations (with the run's chat format) sends the ids
+    # of `user(obs) + assistant_header` as info["prompt_ids"]: one tokenization less here.
+    next_ids = info.get("prompt_ids") or chat.user(obs) + chat.assistant_header()
     if len(traj.token_ids) + len(next_ids) + max_new_tokens > max_context:
         traj.truncated, ep.done = True, True  # context budget exhausted
         return

@@ -35,12 +35,30 @@ def _cfg(*overrides: str):
                               *overrides])
 
 
-def _shards(chat, cfg, n: int) -> tuple[list[RolloutService], list[EmulatedEngine]]:
+def _shards(chat, cfg, n: int, host_ids: bool = False
+            ) -> tuple[list[RolloutService], list[EmulatedEngine]]:
     engines = [EmulatedEngine(0.002, 0.0005, chat.encode("<answer>right</answer>"),
                               "<answer>right</answer>") for _ in range(3)]
     params = {t.name: SamplingParams(max_new_tokens=8) for t in cfg.tasks}
-    return [RolloutService(cfg, chat, engines, [EmulatedEnvHost(0.003, 2, 4)],
+    return [RolloutService(cfg, chat, engines,
+                           [EmulatedEnvHost(0.003, 2, 4, chat=chat if host_ids else None)],
                            LocalRewardClient(), params, shard=(k, n)) for k in range(n)], engines
+
+
+def test_prompt_ids_sent_by_the_host_are_the_ids_the_service_makes(chat):
+    """An env host that tokenizes its observations changes where the work runs, not one id."""
+    runs = []
+    for host_ids in (False, True):
+        (svc,), _ = _shards(chat, _cfg(), 1, host_ids)
+        svc.start()
+        try:
+            trajs, _ = svc.take_batch(0, timeout=15)
+        finally:
+            svc.stop()
+        runs.append({t.sample_id: (t.token_ids, t.loss_mask) for t in trajs})
+    assert runs[0] == runs[1] and len(runs[0]) == 18
+    per_turn = len(chat.encode("<answer>right</answer>"))
+    assert all(m.count(1) >= 2 * per_turn for _, m in runs[0].values())  # 2+ turns each
 
 
 def test_slots_partition_every_batch():
