@@ -120,7 +120,7 @@ def shard_main(conn: Any, point: dict[str, Any], shard: int, chat: ChatFormat) -
             got = svc.try_take(arg)
             if got is not None:
                 trajs, info = got
-                lag = max(arg - min(v for v in t.token_versions if v >= 0) for t in trajs)
+                lag = max(arg - t.turns[0].weight_version for t in trajs)  # its start version
                 out = ([t.sample_id for t in trajs], lag, info["dropped"],
                        {k: v for k, v in info["metrics"].items() if k.startswith("rollout/")})
         elif cmd == "set_version":
@@ -271,8 +271,8 @@ def grid(quick: bool) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--warmup", type=float, default=5.0)
-    ap.add_argument("--window", type=float, default=8.0)
+    ap.add_argument("--warmup", type=float, default=10.0, help="paced points (saturated: 4)")
+    ap.add_argument("--window", type=float, default=6.0, help="paced points (saturated: 5)")
     ap.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "results/rollout_scale.json"))
     args = ap.parse_args()
@@ -282,7 +282,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for point in grid(args.quick):
             sat = point["regime"] == "saturated"
-            r = run_point(point, chat, args.warmup * (0.6 if sat else 1.0), args.window)
+            r = run_point(point, chat, 4.0 if sat else args.warmup, 5.0 if sat else args.window)
             r["repeat"] = rep
             runs.append(r)
             print(f"rep {rep} {point}: {r['turns_per_s']:.0f} turns/s, overhead p50/p99 "

@@ -183,6 +183,10 @@ class RolloutConfig(_Strict):
     # often at thousands of live episodes that a full collection stalls the loop for ~0.5 s
     # (measured: benchmarks/rollout_scale.py); None leaves the process's settings alone.
     gc_threshold: tuple[int, int, int] | None = (50_000, 20, 100)
+    # asyncio runner only: the process's GIL switch interval at most this (Python's default is
+    # 5 ms: a thread of the trainer's side computing a batch's metrics holds the loop up that
+    # long per switch); None leaves it alone.
+    switch_interval_s: float | None = Field(0.0005, gt=0.0)
 
     @model_validator(mode="after")
     def _group(self) -> RolloutConfig:

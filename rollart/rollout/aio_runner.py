@@ -30,6 +30,7 @@ import contextvars
 import gc
 import inspect
 import selectors
+import sys
 import threading
 import time
 from collections import Counter
@@ -72,9 +73,12 @@ class AsyncRunner:
 
     # ---- the loop ------------------------------------------------------------------------
     def start(self) -> None:
-        if self.svc.cfg.rollout.gc_threshold is not None:  # see RolloutConfig.gc_threshold
+        r = self.svc.cfg.rollout
+        if r.gc_threshold is not None:  # see RolloutConfig.gc_threshold
             gc.freeze()
-            gc.set_threshold(*self.svc.cfg.rollout.gc_threshold)
+            gc.set_threshold(*r.gc_threshold)
+        if r.switch_interval_s is not None:  # see RolloutConfig.switch_interval_s
+            sys.setswitchinterval(min(sys.getswitchinterval(), r.switch_interval_s))
         self.thread = self.svc._spawn(self._main, name="rollout-loop")
         self._ready.wait()
         for b in self.svc.batchers:
@@ -116,8 +120,16 @@ class AsyncRunner:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def launch(self, live: LiveEpisode) -> None:
-        self.in_loop(lambda: self._keep(self.loop.create_task(self.episode(live))))
+    def launch(self, lives: list[LiveEpisode], slice_size: int = 32) -> None:
+        """Start these episodes: one wake-up of the loop for all of them, `slice_size` per
+        loop iteration (a new batch's groups start hundreds at once; their first steps in one
+        iteration would hold up every turn in flight for tens of milliseconds)."""
+        def now(start: int = 0) -> None:
+            for live in lives[start:start + slice_size]:
+                self._keep(self.loop.create_task(self.episode(live)))
+            if start + slice_size < len(lives):
+                self.loop.call_soon(now, start + slice_size)
+        self.in_loop(now)
 
     def stop(self) -> None:
         if self.thread is None:
@@ -196,7 +208,7 @@ class AsyncRunner:
             return  # already accounted for by whoever cancelled it
         if ep.traj.error is not None:
             svc.recent_errors.append(f"{live.id}: {ep.traj.error}")
-            svc._failed(live, reason, timeout=False)
+            self._locked(svc._failed, live, reason, False)
             return
         try:
             fut = svc.reward.submit(ep.traj)
@@ -208,7 +220,20 @@ class AsyncRunner:
                 svc.fatal = err
                 svc.lock.notify_all()
             return
-        svc._scored(live, ep.traj)
+        self._locked(svc._scored, live, ep.traj)
+
+    def _locked(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` under the service's lock, without blocking the loop: while the trainer's
+        side holds it (taking a batch, starting the next groups: milliseconds at thousands of
+        episodes), the loop goes on with other turns and tries again 0.5 ms later."""
+        lock = self.svc.lock
+        if not lock.acquire(blocking=False):
+            self.loop.call_later(0.0005, self._locked, fn, *args)
+            return
+        try:
+            fn(*args)  # its own `with lock` re-enters
+        finally:
+            lock.release()
 
     async def _host(self, live: LiveEpisode, method: str, *args: Any) -> Any:
         """An env-host call with the episode's timeout armed; a lost host is routed around."""

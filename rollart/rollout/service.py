@@ -190,9 +190,13 @@ class RolloutService:
                           key=self._launched.pop)
             trajs = [self.done.pop(e) for e in kept]
             drops, self.totals.drops = self.totals.drops, []
-            out = trajs, {"dropped": drops, "metrics": self._metrics(trajs)}
+            metrics: dict[str, float] = {}
+            out = trajs, {"dropped": drops, "metrics": metrics}
             self._taken = (update, out)
-            return out
+        # Outside the lock: a batch's statistics take milliseconds at thousands of episodes,
+        # and the episodes that finish meanwhile need the lock.
+        metrics.update(self._metrics(trajs))
+        return out
 
     def take_batch(self, update: int, timeout: float | None = None
                    ) -> tuple[list[Trajectory], dict[str, Any]]:
@@ -235,6 +239,7 @@ class RolloutService:
         on_engine = Counter(x.engine for x in self.live.values())
         on_host = Counter(x.host for x in self.live.values())
         engines = self.health.alive_indices() or range(len(self.batchers))  # else: waits
+        new: list[LiveEpisode] = []
         for st in starts:
             live = LiveEpisode(st, engine=min(engines, key=lambda i: on_engine[i]),
                                host=min(alive, key=lambda i: on_host[i]))
@@ -242,10 +247,12 @@ class RolloutService:
             on_host[live.host] += 1
             self.live[st.episode_id] = live
             self._launched[st.episode_id] = next(self._seq)
-            if self.runner is not None:
-                self.runner.launch(live)
-            else:
+            if self.runner is None:
                 self._spawn(self._run, live, name=f"episode {st.episode_id}")
+            else:
+                new.append(live)
+        if new:
+            self.runner.launch(new)
 
     def _run(self, live: LiveEpisode) -> None:
         st = live.start
