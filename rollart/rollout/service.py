@@ -34,17 +34,15 @@ from typing import Any
 from rollart.config import RunConfig
 from rollart.models.chat import ChatFormat
 from rollart.rollout.aio_runner import AsyncBatcher, AsyncRunner
-from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode, call
-from rollart.rollout.env_host import HostedEnv
-from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
-from rollart.rollout.failover import EngineHealth, NoReplicaLeft, ReplicaLost, is_replica_loss
+from rollart.rollout.batcher import EngineBatcher, LiveEpisode, call
+from rollart.rollout.failover import EngineHealth, ReplicaLost
 from rollart.rollout.plan import plan_namer
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
 from rollart.rollout.service_metrics import service_metrics
 from rollart.rollout.shards import shard_namer, shard_quota
+from rollart.rollout.thread_runner import run_episode
 from rollart.rollout.turn_router import TurnRouter
-from rollart.routing.router import NoHealthyReplica
-from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
+from rollart.types import SamplingParams, Trajectory
 
 Drop = tuple[str, int, str]  # (sample id, iteration, reason) for the sample ledger
 
@@ -248,83 +246,11 @@ class RolloutService:
             self.live[st.episode_id] = live
             self._launched[st.episode_id] = next(self._seq)
             if self.runner is None:
-                self._spawn(self._run, live, name=f"episode {st.episode_id}")
+                self._spawn(run_episode, self, live, name=f"episode {st.episode_id}")
             else:
                 new.append(live)
         if new:
             self.runner.launch(new)
-
-    def _run(self, live: LiveEpisode) -> None:
-        st = live.start
-        params = self.params[st.task]
-        spec = EpisodeSpec(self.tasks[st.task], st.seed, st.group_id, st.episode_id, st.iteration)
-        env = HostedEnv(self, live)
-        ep = start_episode(spec, self.chat, lambda task: env)
-        reason = "env_error"
-        ep.traj.allowed_token_ids = params.allowed_token_ids
-        ep.traj.allowed_sequences = params.allowed_sequences
-        try:
-            while not ep.done and not live.cancelled:
-                req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",
-                                        list(ep.traj.token_ids), params)
-                t0 = time.perf_counter()
-                comp = self._generate(live, req, ep.pending_prompt_tokens)
-                ep.timings["generate_s"] += time.perf_counter() - t0
-                if comp is None:
-                    break  # stopping with no replica left
-                if not live.cancelled:
-                    apply_completion(ep, comp, self.chat, self.max_context, params.max_new_tokens)
-        except EpisodeCancelled:
-            pass
-        except NoReplicaLeft as err:  # the run cannot go on: say why
-            with self.lock:
-                self.fatal = self.fatal or err
-                self.lock.notify_all()
-            live.cancelled = True
-        except Exception as err:  # the engine's own error: costs this episode, not the replica
-            ep.traj.error = f"generate: {type(err).__name__}: {err}"
-            reason = "engine_error"
-        env.close()
-        self.routing.episode_end(live.id, st.task, ep.traj)
-        ep.traj.timings.update(ep.timings)
-        if live.cancelled:
-            return  # already accounted for by whoever cancelled it
-        if ep.traj.error is None:
-            self._score(live, ep.traj)
-        else:
-            self.recent_errors.append(f"{live.id}: {ep.traj.error}")
-            self._failed(live, reason, timeout=False)
-
-    def _generate(self, live: LiveEpisode, req: GenerationRequest, new_tokens: int
-                  ) -> Completion | None:
-        """One turn on a serving replica. A replica lost on the way is marked and the same
-        request goes to another (the episode's tokens stop at its last completed turn, so
-        nothing is generated twice and every kept token keeps its version); None once the
-        service stops while no replica is left."""
-        while True:
-            alive = self.health.wait_any(lambda: self.stopping or live.cancelled)
-            if not alive:
-                return None
-            if live.engine not in alive:  # its replica is gone: the least loaded alive one
-                with self.lock:
-                    on = Counter(x.engine for x in self.live.values())
-                live.engine = min(alive, key=lambda i: on[i])
-            try:
-                engine = self.routing.route(live.id, live.start.task, req, new_tokens,
-                                            live.engine)
-            except NoHealthyReplica:  # the router heard of a loss before the health flags
-                time.sleep(0.05)
-                continue
-            try:
-                return self.batchers[engine].generate(req, live)
-            except EpisodeCancelled:
-                raise
-            except Exception as err:
-                if not is_replica_loss(err):
-                    self.routing.abandon(req.request_id)
-                    raise
-                self.engine_lost(engine, err)
-                self.totals.counters["turns_reissued"] += 1
 
     def engine_lost(self, index: int, err: BaseException | str) -> None:
         """Take replica `index` out of rotation: the router fails its outstanding turns over,
@@ -348,16 +274,6 @@ class RolloutService:
 
     def lost_engines(self) -> list[int]:
         return self.health.lost_indices()
-
-    def _score(self, live: LiveEpisode, traj: Trajectory) -> None:
-        try:
-            self.reward.submit(traj).result()
-        except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
-            with self.lock:
-                self.fatal = err
-                self.lock.notify_all()
-            return
-        self._scored(live, traj)
 
     def _scored(self, live: LiveEpisode, traj: Trajectory) -> None:
         """`traj` has its reward: it joins its group (or is dropped, late)."""
