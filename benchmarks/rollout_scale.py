@@ -66,6 +66,19 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _runqueue_wait_s() -> float:
+    """Seconds this process's threads were runnable but waiting for a CPU (other processes on
+    the core): /proc/self/task/*/schedstat, second field."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
 def _timed(obj: Any, name: str, log: list[tuple[str, float, float]]) -> None:
     fn = getattr(obj, name)
 
@@ -131,7 +144,8 @@ def shard_main(conn: Any, point: dict[str, Any], shard: int, chat: ChatFormat) -
             if not marks:
                 svc.runner.turn_log = []
                 del log[:]
-            marks.append((time.perf_counter(), time.process_time(), _rss(), len(svc.live)))
+            marks.append((time.perf_counter(), time.process_time(), _rss(), len(svc.live),
+                          _runqueue_wait_s()))
         elif cmd == "report":
             out = _report(svc, engines[0].nominal_s, host, marks, log, live, rss0)
         elif cmd == "stop":
@@ -143,12 +157,13 @@ def shard_main(conn: Any, point: dict[str, Any], shard: int, chat: ChatFormat) -
 
 def _report(svc: RolloutService, engine_s: float, host: EmulatedEnvHost, marks: list,
             log: list, live: list[int], rss0: int) -> dict[str, Any]:
-    (a, cpu_a, rss_a, live_a), (b, cpu_b, _, _) = marks[0], marks[1]
+    (a, cpu_a, rss_a, live_a, wait_a), (b, cpu_b, _, _, wait_b) = marks[0], marks[1]
     turns = [x for x in svc.runner.turn_log if a <= x[1] <= b]
     overhead = [(t1 - t0) - engine_s - host.nominal_s(eid, turn) for t0, t1, eid, turn in turns]
     sched = [dt for name, t0, dt in log if name != "route" and a <= t0 <= b]
     by = {n: [dt for name, t0, dt in log if name == n and a <= t0 <= b] for n in (*SCHED, "route")}
     return {"window_s": b - a, "turns": len(turns), "cpu_s": cpu_b - cpu_a,
+            "runqueue_wait_s": wait_b - wait_a,
             "overhead_s": overhead, "sched_s": sched,
             "sched_p99_ms": {n: float(np.percentile(v, 99) * 1e3) for n, v in by.items() if v},
             "sched_calls": {n: len(v) for n, v in by.items()},
@@ -245,6 +260,8 @@ def run_point(point: dict[str, Any], chat: ChatFormat, warmup: float, window: fl
             / max(1, sum(r["live_at_mark"] for r in reps)),
             "cpu_s_per_1000_turns": 1000 * sum(r["cpu_s"] for r in reps) / max(1, turns),
             "shard_cpu_util": [r["cpu_s"] / r["window_s"] for r in reps],
+            # share of the window a shard's threads waited for a core held by someone else
+            "shard_runqueue_wait_share": [r["runqueue_wait_s"] / r["window_s"] for r in reps],
             "coordinator_cpu_util": coord_cpu / window, "batches": batches,
             "samples_consumed": len(samples), "samples_unique": len(set(samples)),
             "max_staleness_seen": max(p.max_lag for p in proxies),
@@ -288,7 +305,8 @@ def main() -> None:
             print(f"rep {rep} {point}: {r['turns_per_s']:.0f} turns/s, overhead p50/p99 "
                   f"{r['overhead_p50_ms']:.2f}/{r['overhead_p99_ms']:.2f} ms, live "
                   f"{r['live_mean']:.0f}, cpu/1k turns {r['cpu_s_per_1000_turns']:.3f} s, "
-                  f"util {r['shard_cpu_util']}", flush=True)
+                  f"util {r['shard_cpu_util']}, runqueue wait {r['shard_runqueue_wait_share']}",
+                  flush=True)
     out = summarise(runs, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
