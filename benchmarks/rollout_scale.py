@@ -15,8 +15,9 @@ most 8 batches = `episodes` episodes in flight (the measured mean is reported: c
 waiting for their batch are not live).
 
 Two regimes:
-- paced: engine call 0.25 s + 16 tokens x 0.02 s = 0.57 s, env reset/step 1.0 s (x [0.5, 1.5)):
-  a turn is ~1.57 s of emulated time, so 4,096 live episodes offer ~2,200 turns/s. Overhead per
+- paced: engine call 0.25 s + 16 tokens x 0.02 s = 0.57 s, env reset/step 0.8 s (x [0.5, 1.5)):
+  a turn is ~1.37 s of emulated time (~1.5 s with the reset spread over an episode's ~6 turns),
+  so the ~3,400 episodes admission keeps live at a cap of 4,096 offer ~2,300 turns/s. Overhead per
   turn = measured turn latency (route -> batch -> engine -> env step -> bookkeeping) minus the
   nominal engine and env times (a late timer counts: it is the loop's lag);
 - saturated: 2 ms engine calls and env steps: the offered load is far above what a core can do,
@@ -55,7 +56,7 @@ from rollart.rollout.shards import ShardedRollout  # noqa: E402
 from rollart.types import SamplingParams  # noqa: E402
 
 GROUP, ALPHA, TOKENS = 4, 7, 16
-REGIMES = {"paced": {"call_s": 0.25, "token_s": 0.02, "step_s": 1.0},
+REGIMES = {"paced": {"call_s": 0.25, "token_s": 0.02, "step_s": 0.8},
            "saturated": {"call_s": 0.002, "token_s": 0.0, "step_s": 0.002}}
 SCHED = ("fill", "on_finished", "on_failed", "on_version", "take_batch")
 ANSWER = "<answer>right</answer>"
