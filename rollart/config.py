@@ -174,6 +174,19 @@ class RolloutConfig(_Strict):
     # ready go (turn-level continuous batching; episodes never wait for each other).
     batching: Literal["lockstep", "continuous"] = "lockstep"
     batch_wait_s: float = Field(0.002, ge=0.0)  # continuous: wait this long to fill a batch
+    # "threads": one Python thread per live episode (and per engine batcher); "asyncio": every
+    # episode a task on one event loop thread (rollart/rollout/aio_runner.py), thread count
+    # independent of the number of episodes. Same scheduler, ledger and metrics.
+    runner: Literal["threads", "asyncio"] = "threads"
+    # asyncio runner only: the process's garbage-collector thresholds while it runs (after a
+    # gc.freeze() of everything allocated before). Python's defaults (700, 10, 10) collect so
+    # often at thousands of live episodes that a full collection stalls the loop for ~0.5 s
+    # (measured: benchmarks/rollout_scale.py); None leaves the process's settings alone.
+    gc_threshold: tuple[int, int, int] | None = (50_000, 20, 100)
+    # asyncio runner only: the process's GIL switch interval at most this (Python's default is
+    # 5 ms: a thread of the trainer's side computing a batch's metrics holds the loop up that
+    # long per switch); None leaves it alone.
+    switch_interval_s: float | None = Field(0.0005, gt=0.0)
 
     @model_validator(mode="after")
     def _group(self) -> RolloutConfig:

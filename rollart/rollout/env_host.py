@@ -108,7 +108,8 @@ class HostedEnv:
             self.live.deadline = None
 
     def reset(self, seed: int) -> tuple[str, dict]:
-        self.system_prompt, obs = self._call("open", self.live.id, self.live.start.task, seed)
+        opened = self._call("open", self.live.id, self.live.start.task, seed)
+        self.system_prompt, obs = opened[0], opened[1]  # (a third item: prompt ids, unused)
         return obs, {}
 
     def step(self, text: str) -> tuple[str, float, bool, bool, dict]:

@@ -97,38 +97,58 @@ def _fail(ep: _Episode, where: str) -> None:
     ep.done = True
 
 
+def new_episode(spec: EpisodeSpec) -> _Episode:
+    """An episode with an empty trajectory and no env yet."""
+    return _Episode(spec=spec, traj=_new_trajectory(spec), env=None)
+
+
+def fail_episode(ep: _Episode, where: str) -> None:
+    """End `ep` with the exception being handled as its error (call inside `except`)."""
+    _fail(ep, where)
+
+
+def begin_episode(ep: _Episode, chat: ChatFormat, system: str, observation: str,
+                  prompt_ids: list[int] | None = None) -> None:
+    """The env was reset: the system prompt, first observation and assistant header (their
+    ids as given, when an env host tokenized them, else tokenized here)."""
+    ep.observation = observation
+    if prompt_ids is None:
+        prompt_ids = chat.system(system) + chat.user(observation) + chat.assistant_header()
+    ep.extend(prompt_ids, 0)
+    ep.pending_prompt_tokens = len(ep.traj.token_ids)
+
+
 def start_episode(spec: EpisodeSpec, chat: ChatFormat,
            env_factory: Callable[[TaskConfig], object] = make_env) -> _Episode:
-    ep = _Episode(spec=spec, traj=_new_trajectory(spec), env=None)
+    ep = new_episode(spec)
     t0 = time.perf_counter()
     try:
         ep.env = env_factory(spec.task)
-        ep.observation, _ = ep.env.reset(seed=spec.seed)
+        observation, _ = ep.env.reset(seed=spec.seed)
         system = ep.env.system_prompt
     except Exception:
         _fail(ep, "reset")
         return ep
     finally:
         ep.timings["env_s"] += time.perf_counter() - t0
-    ep.extend(chat.system(system) + chat.user(ep.observation) + chat.assistant_header(), 0)
-    ep.pending_prompt_tokens = len(ep.traj.token_ids)
+    begin_episode(ep, chat, system, observation)
     return ep
 
 
-def apply_completion(ep: _Episode, comp: Completion, chat: ChatFormat, max_context: int,
-           max_new_tokens: int) -> None:
-    """Append the completion, step the env, append the next observation."""
+def record_completion(ep: _Episode, comp: Completion, chat: ChatFormat) -> None:
+    """Append the generated tokens (mask 1, their log-probs and version) and the turn's end."""
     ep.extend(comp.token_ids, 1, comp.logprobs, comp.weight_version)
     ep.extend(chat.end_after_eos() if comp.finish_reason == "eos" else chat.assistant_end(), 0)
-    t0 = time.perf_counter()
-    try:
-        obs, reward, terminated, truncated, info = ep.env.step(comp.text)
-    except Exception:
-        ep.timings["env_s"] += time.perf_counter() - t0
-        _fail(ep, "step")
-        return
-    env_s = time.perf_counter() - t0
-    ep.timings["env_s"] += env_s
+
+
+StepResult = tuple[str, float, bool, bool, dict]
+
+
+def record_step(ep: _Episode, comp: Completion, result: StepResult, env_s: float,
+                chat: ChatFormat, max_context: int, max_new_tokens: int) -> None:
+    """The env answered the completion with `result`: record the turn, append the next
+    observation (or end the episode: terminated, truncated, or context budget exhausted)."""
+    obs, reward, terminated, truncated, info = result
     traj = ep.traj
     traj.turns.append(Turn(
         index=len(traj.turns), observation=ep.observation, response=comp.text,
@@ -146,13 +166,31 @@ def apply_completion(ep: _Episode, comp: Completion, chat: ChatFormat, max_conte
     if terminated or truncated:
         ep.done = True
         return
-    next_ids = chat.user(obs) + chat.assistant_header()
+    # An env host that tokenizes its observations (with the run's chat format) sends the ids
+    # of `user(obs) + assistant_header` as info["prompt_ids"]: one tokenization less here.
+    next_ids = info.get("prompt_ids") or chat.user(obs) + chat.assistant_header()
     if len(traj.token_ids) + len(next_ids) + max_new_tokens > max_context:
         traj.truncated, ep.done = True, True  # context budget exhausted
         return
     ep.observation = obs
     ep.extend(next_ids, 0)
     ep.pending_prompt_tokens = len(next_ids)
+
+
+def apply_completion(ep: _Episode, comp: Completion, chat: ChatFormat, max_context: int,
+           max_new_tokens: int) -> None:
+    """Append the completion, step the env, append the next observation."""
+    record_completion(ep, comp, chat)
+    t0 = time.perf_counter()
+    try:
+        result = ep.env.step(comp.text)
+    except Exception:
+        ep.timings["env_s"] += time.perf_counter() - t0
+        _fail(ep, "step")
+        return
+    env_s = time.perf_counter() - t0
+    ep.timings["env_s"] += env_s
+    record_step(ep, comp, result, env_s, chat, max_context, max_new_tokens)
 
 
 def run_episodes(

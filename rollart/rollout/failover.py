@@ -88,7 +88,9 @@ class EngineHealth:
                     return alive
                 left = deadline - self.clock()
                 if left <= 0:
-                    raise NoReplicaLeft(
-                        f"every engine replica is lost and none came back within "
-                        f"{self.wait_timeout_s:g} s (rollout.engine_wait_timeout_s)")
+                    raise self.none_left()
                 self.cv.wait(min(left, 0.5))
+
+    def none_left(self) -> NoReplicaLeft:
+        return NoReplicaLeft(f"every engine replica is lost and none came back within "
+                             f"{self.wait_timeout_s:g} s (rollout.engine_wait_timeout_s)")

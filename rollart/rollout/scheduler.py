@@ -71,6 +71,9 @@ class SchedulerConfig:
     max_updates: int | None = None  # updates the run will take; no group starts after the last
     max_consecutive_failures: int = 0  # this many failures in a row make `halted` true; 0: never
     task_shares: tuple[tuple[str, float], ...] = (("default", 1.0),)
+    # Groups per batch of each task for this scheduler, when it runs one shard of the batch
+    # (rollart/rollout/shards.py); None: split `batch_groups` by `task_shares`.
+    quota: tuple[tuple[str, int], ...] | None = None
 
 
 def split_by_share(total: int, shares: list[float]) -> list[int]:
@@ -96,6 +99,7 @@ class RolloutScheduler:
         self.version = version  # latest policy version the engines serve
         self.next_update = version  # the update the next `take_batch` feeds
         self.groups: dict[str, GroupState] = {}
+        self._per_task: Counter[str] = Counter()  # groups in `groups` per task, kept in step
         self.complete: list[str] = []  # complete, unconsumed group ids, in completion order
         self.episode_group: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
@@ -103,8 +107,8 @@ class RolloutScheduler:
         self.discarded: list[tuple[str, str]] = []
         names = [t for t, _ in cfg.task_shares]
         # Groups per batch of each task (largest remainder over the shares).
-        self.quota = dict(zip(names, split_by_share(cfg.batch_groups,
-                                                    [w for _, w in cfg.task_shares]), strict=True))
+        self.quota = dict(cfg.quota) if cfg.quota is not None else dict(zip(
+            names, split_by_share(cfg.batch_groups, [w for _, w in cfg.task_shares]), strict=True))
         self._next_group = 0
         # Per-task group counters; resuming at iteration i continues the plan from there.
         self._task_counts: Counter[str] = Counter(
@@ -135,9 +139,8 @@ class RolloutScheduler:
         if self.halted:
             return out
         usable = self._usable_batches()
-        live = Counter(g.task for g in self.groups.values())  # one pass, not one per task
         for task, quota in self.quota.items():
-            have = live[task]
+            have = self._per_task[task]
             while have < usable * quota:
                 n = self._task_counts[task]  # this task's group index (plan order)
                 if self._namer is not None:
@@ -149,6 +152,7 @@ class RolloutScheduler:
                 self._task_counts[task] += 1
                 g = GroupState(gid, task, seed, self.version, n // quota)
                 self.groups[gid] = g
+                self._per_task[task] += 1
                 for _ in range(self.cfg.group_size + self.cfg.redundancy):
                     out.append(self._launch(g))
                 self.counters["groups_started"] += 1
@@ -239,6 +243,8 @@ class RolloutScheduler:
         self.complete = [gid for gid in ready if gid not in batch]
         self.counters["groups_consumed"] += len(batch)
         self.next_update = update + 1
+        for gid in batch:
+            self._per_task[self.groups[gid].task] -= 1
         return {gid: self.groups.pop(gid).finished for gid in batch}
 
     def _drop_stale(self, update: int) -> list[Cancel]:
@@ -250,7 +256,8 @@ class RolloutScheduler:
         return cancels
 
     def _drop(self, g: GroupState, reason: str) -> list[Cancel]:
-        self.groups.pop(g.group_id, None)
+        if self.groups.pop(g.group_id, None) is not None:
+            self._per_task[g.task] -= 1
         if g.group_id in self.complete:
             self.complete.remove(g.group_id)
         self.counters[f"dropped_{reason}_episodes"] += len(g.finished)
@@ -277,6 +284,8 @@ class RolloutScheduler:
             g = GroupState(d["group_id"], d["task"], int(d["seed"]), int(d["start_version"]),
                            int(d["iteration"]), finished=list(d["finished"]),
                            failures=int(d["failures"]), launched=int(d["launched"]))
+            if g.group_id not in self.groups:
+                self._per_task[g.task] += 1
             self.groups[g.group_id] = g
             for e in g.finished:
                 self.episode_group[e] = g.group_id

@@ -28,20 +28,21 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from rollart.config import RunConfig
 from rollart.models.chat import ChatFormat
-from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode, call
-from rollart.rollout.env_host import HostedEnv
-from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
-from rollart.rollout.failover import EngineHealth, NoReplicaLeft, ReplicaLost, is_replica_loss
+from rollart.rollout.aio_runner import AsyncBatcher, AsyncRunner
+from rollart.rollout.batcher import EngineBatcher, LiveEpisode, call
+from rollart.rollout.failover import EngineHealth, ReplicaLost
 from rollart.rollout.plan import plan_namer
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
 from rollart.rollout.service_metrics import service_metrics
+from rollart.rollout.shards import shard_namer, shard_quota
+from rollart.rollout.thread_runner import run_episode
 from rollart.rollout.turn_router import TurnRouter
-from rollart.routing.router import NoHealthyReplica
-from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
+from rollart.types import SamplingParams, Trajectory
 
 Drop = tuple[str, int, str]  # (sample id, iteration, reason) for the sample ledger
 
@@ -62,8 +63,13 @@ class _Totals:
 class RolloutService:
     def __init__(self, cfg: RunConfig, chat: ChatFormat, engines: list[Any], hosts: list[Any],
                  reward_client: Any, params: dict[str, SamplingParams], version: int = 0,
-                 max_context: int = 1024) -> None:
+                 max_context: int = 1024, shard: tuple[int, int] = (0, 1)) -> None:
+        """`shard` (k, n): this service runs shard k of n (rollart/rollout/shards.py): its
+        scheduler owns the groups of its slots of every batch, under the same rules."""
         r = cfg.rollout
+        self.shard = shard
+        quota = shard_quota(cfg, *shard) if shard[1] > 1 else None
+        namer = plan_namer(cfg)
         self.cfg, self.chat, self.reward, self.params = cfg, chat, reward_client, params
         self.hosts, self.hosts_alive = hosts, [True] * len(hosts)
         self.host_events: list[dict[str, Any]] = []
@@ -74,13 +80,18 @@ class RolloutService:
                             max_staleness=r.max_staleness, redundancy=r.redundancy,
                             max_retries=r.max_retries, max_updates=cfg.iterations,
                             max_consecutive_failures=r.max_consecutive_failures,
-                            task_shares=tuple((t.name, t.share) for t in cfg.tasks)),
-            version=version, group_of=plan_namer(cfg), first_iteration=version)
+                            task_shares=tuple((t.name, t.share) for t in cfg.tasks),
+                            quota=quota),
+            version=version, first_iteration=version,
+            group_of=shard_namer(cfg, namer, *shard) if shard[1] > 1 else namer)
         lockstep = r.batching == "lockstep"
-        self.batchers = [
-            EngineBatcher(e, cfg.engine.max_batch_size, r.batch_wait_s,
-                          (lambda i=i: self._members(i)) if lockstep else None,
-                          lambda ids, busy, i=i: self.routing.served(i, ids, busy))
+        # asyncio: episodes are tasks on one event loop thread (rollart/rollout/aio_runner.py)
+        self.runner = AsyncRunner(self) if r.runner == "asyncio" else None
+        self.batchers: list[Any] = [
+            (EngineBatcher if self.runner is None else partial(AsyncBatcher, self.runner))(
+                e, cfg.engine.max_batch_size, r.batch_wait_s,
+                (lambda i=i: self._members(i)) if lockstep else None,
+                lambda ids, busy, i=i: self.routing.served(i, ids, busy))
             for i, e in enumerate(engines)]
         # Continuous batching routes every turn (hardware affinity, stickiness, spill); lockstep
         # keeps each episode on the replica it started on (its batch waits for its members).
@@ -116,9 +127,12 @@ class RolloutService:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        for b in self.batchers:
-            b.thread = self._spawn(b.loop, name="rollout-batcher")
-        self._watchdog.start()
+        if self.runner is not None:
+            self.runner.start()  # its timers do the watchdog's work
+        else:
+            for b in self.batchers:
+                b.thread = self._spawn(b.loop, name="rollout-batcher")
+            self._watchdog.start()
         with self.lock:
             self._launch(self.deferred)
             self.deferred = []
@@ -145,7 +159,10 @@ class RolloutService:
             self.live.clear()
         for b in self.batchers:
             b.stop()
-        self._watchdog.join(timeout=1.0)
+        if self.runner is not None:
+            self.runner.stop()
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=1.0)
         return self.stats()
 
     # ---- the trainer's side ----------------------------------------------------------------
@@ -171,9 +188,13 @@ class RolloutService:
                           key=self._launched.pop)
             trajs = [self.done.pop(e) for e in kept]
             drops, self.totals.drops = self.totals.drops, []
-            out = trajs, {"dropped": drops, "metrics": self._metrics(trajs)}
+            metrics: dict[str, float] = {}
+            out = trajs, {"dropped": drops, "metrics": metrics}
             self._taken = (update, out)
-            return out
+        # Outside the lock: a batch's statistics take milliseconds at thousands of episodes,
+        # and the episodes that finish meanwhile need the lock.
+        metrics.update(self._metrics(trajs))
+        return out
 
     def take_batch(self, update: int, timeout: float | None = None
                    ) -> tuple[list[Trajectory], dict[str, Any]]:
@@ -210,87 +231,26 @@ class RolloutService:
             self.fatal = RuntimeError("every env host is lost (their workers died)")
             self.lock.notify_all()
             return
+        if not starts:
+            return
+        # Counted once per call and kept up to date (not once per start: O(live) each)
+        on_engine = Counter(x.engine for x in self.live.values())
+        on_host = Counter(x.host for x in self.live.values())
+        engines = self.health.alive_indices() or range(len(self.batchers))  # else: waits
+        new: list[LiveEpisode] = []
         for st in starts:
-            on_engine = Counter(x.engine for x in self.live.values())
-            on_host = Counter(x.host for x in self.live.values())
-            engines = self.health.alive_indices() or range(len(self.batchers))  # else: waits
             live = LiveEpisode(st, engine=min(engines, key=lambda i: on_engine[i]),
                                host=min(alive, key=lambda i: on_host[i]))
+            on_engine[live.engine] += 1
+            on_host[live.host] += 1
             self.live[st.episode_id] = live
             self._launched[st.episode_id] = next(self._seq)
-            self._spawn(self._run, live, name=f"episode {st.episode_id}")
-
-    def _run(self, live: LiveEpisode) -> None:
-        st = live.start
-        params = self.params[st.task]
-        spec = EpisodeSpec(self.tasks[st.task], st.seed, st.group_id, st.episode_id, st.iteration)
-        env = HostedEnv(self, live)
-        ep = start_episode(spec, self.chat, lambda task: env)
-        reason = "env_error"
-        ep.traj.allowed_token_ids = params.allowed_token_ids
-        ep.traj.allowed_sequences = params.allowed_sequences
-        try:
-            while not ep.done and not live.cancelled:
-                req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",
-                                        list(ep.traj.token_ids), params)
-                t0 = time.perf_counter()
-                comp = self._generate(live, req, ep.pending_prompt_tokens)
-                ep.timings["generate_s"] += time.perf_counter() - t0
-                if comp is None:
-                    break  # stopping with no replica left
-                if not live.cancelled:
-                    apply_completion(ep, comp, self.chat, self.max_context, params.max_new_tokens)
-        except EpisodeCancelled:
-            pass
-        except NoReplicaLeft as err:  # the run cannot go on: say why
-            with self.lock:
-                self.fatal = self.fatal or err
-                self.lock.notify_all()
-            live.cancelled = True
-        except Exception as err:  # the engine's own error: costs this episode, not the replica
-            ep.traj.error = f"generate: {type(err).__name__}: {err}"
-            reason = "engine_error"
-        env.close()
-        self.routing.episode_end(live.id, st.task, ep.traj)
-        ep.traj.timings.update(ep.timings)
-        if live.cancelled:
-            return  # already accounted for by whoever cancelled it
-        if ep.traj.error is None:
-            self._score(live, ep.traj)
-        else:
-            self.recent_errors.append(f"{live.id}: {ep.traj.error}")
-            self._failed(live, reason, timeout=False)
-
-    def _generate(self, live: LiveEpisode, req: GenerationRequest, new_tokens: int
-                  ) -> Completion | None:
-        """One turn on a serving replica. A replica lost on the way is marked and the same
-        request goes to another (the episode's tokens stop at its last completed turn, so
-        nothing is generated twice and every kept token keeps its version); None once the
-        service stops while no replica is left."""
-        while True:
-            alive = self.health.wait_any(lambda: self.stopping or live.cancelled)
-            if not alive:
-                return None
-            if live.engine not in alive:  # its replica is gone: the least loaded alive one
-                with self.lock:
-                    on = Counter(x.engine for x in self.live.values())
-                live.engine = min(alive, key=lambda i: on[i])
-            try:
-                engine = self.routing.route(live.id, live.start.task, req, new_tokens,
-                                            live.engine)
-            except NoHealthyReplica:  # the router heard of a loss before the health flags
-                time.sleep(0.05)
-                continue
-            try:
-                return self.batchers[engine].generate(req, live)
-            except EpisodeCancelled:
-                raise
-            except Exception as err:
-                if not is_replica_loss(err):
-                    self.routing.abandon(req.request_id)
-                    raise
-                self.engine_lost(engine, err)
-                self.totals.counters["turns_reissued"] += 1
+            if self.runner is None:
+                self._spawn(run_episode, self, live, name=f"episode {st.episode_id}")
+            else:
+                new.append(live)
+        if new:
+            self.runner.launch(new)
 
     def engine_lost(self, index: int, err: BaseException | str) -> None:
         """Take replica `index` out of rotation: the router fails its outstanding turns over,
@@ -315,14 +275,8 @@ class RolloutService:
     def lost_engines(self) -> list[int]:
         return self.health.lost_indices()
 
-    def _score(self, live: LiveEpisode, traj: Trajectory) -> None:
-        try:
-            self.reward.submit(traj).result()
-        except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
-            with self.lock:
-                self.fatal = err
-                self.lock.notify_all()
-            return
+    def _scored(self, live: LiveEpisode, traj: Trajectory) -> None:
+        """`traj` has its reward: it joins its group (or is dropped, late)."""
         with self.lock:
             if live.cancelled or self.live.pop(live.id, None) is None:
                 return
@@ -406,13 +360,19 @@ class RolloutService:
             now = time.monotonic()
             for live in list(self.live.values()):
                 if live.deadline is not None and now > live.deadline:
-                    self.recent_errors.append(
-                        f"{live.id}: env call past rollout.env_timeout_s "
-                        f"({self.cfg.rollout.env_timeout_s} s)")
-                    self._failed(live, "timeout", timeout=True)
-                    if live.host not in self._probing and self.hosts_alive[live.host]:
-                        self._probing.add(live.host)
-                        self._spawn(self._probe, live.host, name="rollout-probe")
+                    self._expired(live)
+
+    def _expired(self, live: LiveEpisode) -> None:
+        """An env call of `live` ran past `rollout.env_timeout_s`: the episode fails (and is
+        re-issued); a probe asks whether its host is still there."""
+        if live.cancelled:
+            return
+        self.recent_errors.append(f"{live.id}: env call past rollout.env_timeout_s "
+                                  f"({self.cfg.rollout.env_timeout_s} s)")
+        self._failed(live, "timeout", timeout=True)
+        if live.host not in self._probing and self.hosts_alive[live.host]:
+            self._probing.add(live.host)
+            self._spawn(self._probe, live.host, name="rollout-probe")
 
     # ---- metrics -------------------------------------------------------------------------
     def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:

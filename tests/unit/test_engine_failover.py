@@ -46,6 +46,12 @@ class Severable:
         return self.engine.generate(requests)
 
 
+@pytest.fixture(params=["threads", "asyncio"])
+def runner(request):
+    """Every service test runs with episodes as threads and as asyncio tasks."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def policy():
     torch.set_num_threads(1)
@@ -99,8 +105,8 @@ def test_waiting_for_a_replica_is_bounded_and_ends_when_one_comes_back():
 
 
 @pytest.mark.parametrize("batching", ["lockstep", "continuous"])
-def test_lost_replica_turns_are_reissued_and_every_sample_is_kept_once(policy, batching):
-    svc, engines = _service(policy, f"rollout.batching={batching}")
+def test_lost_replica_turns_are_reissued_and_every_sample_is_kept_once(policy, runner, batching):
+    svc, engines = _service(policy, f"rollout.runner={runner}", f"rollout.batching={batching}")
     svc.start()
     consumed = []
     try:
@@ -142,8 +148,8 @@ def test_lost_replica_turns_are_reissued_and_every_sample_is_kept_once(policy, b
     assert len(consumed) == len(set(consumed)) == 32
 
 
-def test_with_no_replica_left_the_run_waits_then_fails_naming_the_cause(policy):
-    svc, engines = _service(policy, "rollout.engine_wait_timeout_s=1.5")
+def test_with_no_replica_left_the_run_waits_then_fails_naming_the_cause(policy, runner):
+    svc, engines = _service(policy, f"rollout.runner={runner}", "rollout.engine_wait_timeout_s=1.5")
     for e in engines:
         e.cut()
     svc.start()
@@ -154,8 +160,8 @@ def test_with_no_replica_left_the_run_waits_then_fails_naming_the_cause(policy):
         svc.stop()
 
 
-def test_a_replacement_within_the_wait_lets_the_run_go_on(policy):
-    svc, engines = _service(policy, "rollout.engine_wait_timeout_s=60")
+def test_a_replacement_within_the_wait_lets_the_run_go_on(policy, runner):
+    svc, engines = _service(policy, f"rollout.runner={runner}", "rollout.engine_wait_timeout_s=60")
     for e in engines:
         e.cut()
     fresh = Severable(HFEngine(engines[0].model, engines[0].engine.tokenizer, seed=3))
@@ -169,8 +175,9 @@ def test_a_replacement_within_the_wait_lets_the_run_go_on(policy):
     assert stats["counters"]["engines_lost"] == 2 and "failed" not in stats["counters"]
 
 
-def test_an_engine_error_fails_episodes_as_engine_errors_not_env_errors(policy):
-    svc, engines = _service(policy, "rollout.max_consecutive_failures=6")
+def test_an_engine_error_fails_episodes_as_engine_errors_not_env_errors(policy, runner):
+    svc, engines = _service(policy, f"rollout.runner={runner}",
+                            "rollout.max_consecutive_failures=6")
     for e in engines:
         e.cut(ValueError("bad request"))
     svc.start()

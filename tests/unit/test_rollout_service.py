@@ -24,6 +24,12 @@ TASKS = ("tasks=[{name: lake, env_id: FrozenLake-v1, max_turns: 3, constrained: 
          "faults: {step_error_rate: 0.1}}]")
 
 
+@pytest.fixture(params=["threads", "asyncio"])
+def runner(request):
+    """Every service test runs with episodes as threads and as asyncio tasks."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def policy():
     torch.set_num_threads(1)
@@ -48,8 +54,8 @@ def _service(policy, *overrides: str) -> RolloutService:
     ("rollout.max_staleness=0", "rollout.batching=lockstep"),
     ("rollout.max_staleness=1", "rollout.batching=continuous", "rollout.redundancy=1"),
 ])
-def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, overrides):
-    svc = _service(policy, *overrides)
+def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, runner, overrides):
+    svc = _service(policy, f"rollout.runner={runner}", *overrides)
     alpha = svc.cfg.rollout.max_staleness
     svc.start()
     consumed, dropped, failed_per_batch = [], [], []
@@ -86,10 +92,11 @@ def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, o
         assert c.get("dropped_stale_groups", 0) == 0 and c.get("cancelled_stale", 0) == 0
 
 
-def test_a_batch_asked_for_again_is_the_same_batch(policy):
+def test_a_batch_asked_for_again_is_the_same_batch(policy, runner):
     """A collect stage re-run by Dask (its worker died after taking the batch) gets the batch it
     took, not a wait for ever on an update the scheduler has moved past."""
-    svc = _service(policy, "rollout.max_staleness=0", "rollout.batching=lockstep")
+    svc = _service(policy, f"rollout.runner={runner}", "rollout.max_staleness=0",
+                   "rollout.batching=lockstep")
     svc.start()
     try:
         trajs, info = svc.take_batch(0, timeout=60)
@@ -102,8 +109,8 @@ def test_a_batch_asked_for_again_is_the_same_batch(policy):
         svc.stop()
 
 
-def test_failed_is_per_batch_and_failed_total_cumulative(policy):
-    svc = _service(policy)  # not started: the counters are set by hand
+def test_failed_is_per_batch_and_failed_total_cumulative(policy, runner):
+    svc = _service(policy, f"rollout.runner={runner}")  # not started: the counters are set by hand
     svc.sched.counters["failed"] += 2
     first = svc._metrics([])
     svc.sched.counters["failed"] += 1
@@ -113,10 +120,10 @@ def test_failed_is_per_batch_and_failed_total_cumulative(policy):
         == [(2.0, 2.0), (1.0, 3.0), (0.0, 3.0)]
 
 
-def test_an_env_that_always_fails_ends_the_run_with_its_error(policy):
+def test_an_env_that_always_fails_ends_the_run_with_its_error(policy, runner):
     broken = ("tasks=[{name: lake, env_id: FrozenLake-v1, max_turns: 3, constrained: true, "
               "faults: {step_error_rate: 0.99}}]")
-    svc = _service(policy, broken, "rollout.max_consecutive_failures=8")
+    svc = _service(policy, f"rollout.runner={runner}", broken, "rollout.max_consecutive_failures=8")
     svc.start()
     try:
         with pytest.raises(RuntimeError, match="8 episodes failed in a row") as err:

@@ -1,0 +1,352 @@
+"""The rollout service's control path at scale: turns/s, per-turn overhead, scheduler decisions,
+memory per live episode and CPU per 1,000 turns, for 64 .. 4,096 concurrent episodes, 1, 2 and 4
+shards and 1 .. 32 engine replicas.
+
+Engines and env hosts are emulated at zero cost (rollart/rollout/emulated.py: a timer per call,
+no model, no env logic); everything else is the real code: `RolloutService` with
+`rollout.runner: asyncio` (rollart/rollout/aio_runner.py), its `RolloutScheduler`, `TurnRouter`
+(the affinity router prices every turn when there is more than one replica), batchers, env
+manager, local reward handler, and `ShardedRollout` as the trainer's side. Each shard is its
+own process, pinned to core `k % cores`; the coordinator (a zero-cost trainer: takes each batch
+as soon as every shard has its part, then `set_version(u + 1)`) runs in this process.
+
+Concurrency: group_size 4, max_staleness 7, num_groups = episodes / 32, so admission keeps at
+most 8 batches = `episodes` episodes in flight (the measured mean is reported: completed groups
+waiting for their batch are not live).
+
+Two regimes:
+- paced: engine call 0.25 s + 16 tokens x 0.02 s = 0.57 s, env reset/step 0.8 s (x [0.5, 1.5)):
+  a turn is ~1.37 s of emulated time (~1.5 s with the reset spread over an episode's ~6 turns),
+  so the ~3,400 episodes admission keeps live at a cap of 4,096 offer ~2,300 turns/s. Overhead per
+  turn = measured turn latency (route -> batch -> engine -> env step -> bookkeeping) minus the
+  nominal engine and env times (a late timer counts: it is the loop's lag);
+- saturated: 2 ms engine calls and env steps: the offered load is far above what a core can do,
+  so turns/s is the CPU's capacity; `two_shards_over_one` = saturated turns/s at 4,096, 2 shards
+  over 1.
+
+    .venv/bin/python benchmarks/rollout_scale.py --repeats 2   # -> results/rollout_scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollart.config import load_config  # noqa: E402
+from rollart.envs import make_env  # noqa: E402
+from rollart.models.chat import ChatFormat  # noqa: E402
+from rollart.models.tokenizer import build_tokenizer  # noqa: E402
+from rollart.rewards.client import LocalRewardClient  # noqa: E402
+from rollart.rollout.emulated import EmulatedEngine, EmulatedEnvHost  # noqa: E402
+from rollart.rollout.service import RolloutService  # noqa: E402
+from rollart.rollout.shards import ShardedRollout  # noqa: E402
+from rollart.types import SamplingParams  # noqa: E402
+
+GROUP, ALPHA, TOKENS = 4, 7, 16
+REGIMES = {"paced": {"call_s": 0.25, "token_s": 0.02, "step_s": 0.8},
+           "saturated": {"call_s": 0.002, "token_s": 0.0, "step_s": 0.002}}
+SCHED = ("fill", "on_finished", "on_failed", "on_version", "take_batch")
+ANSWER = "<answer>right</answer>"
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _runqueue_wait_s() -> float:
+    """Seconds this process's threads were runnable but waiting for a CPU (other processes on
+    the core): /proc/self/task/*/schedstat, second field."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+def _timed(obj: Any, name: str, log: list[tuple[str, float, float]]) -> None:
+    fn = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            log.append((name, t0, time.perf_counter() - t0))
+
+    setattr(obj, name, wrapper)
+
+
+def build(point: dict[str, Any], shard: int, chat: ChatFormat
+          ) -> tuple[RolloutService, list[EmulatedEngine], EmulatedEnvHost]:
+    lat = REGIMES[point["regime"]]
+    cfg = load_config(None, [
+        "tasks=[{name: emu, env_id: FrozenLake-v1, max_turns: 8}]",
+        f"rollout.num_groups={point['episodes'] // (GROUP * (ALPHA + 1))}",
+        f"rollout.group_size={GROUP}", f"rollout.max_staleness={ALPHA}",
+        "rollout.runner=asyncio", "rollout.batching=continuous", "rollout.batch_wait_s=0",
+        "rollout.max_consecutive_failures=0", f"engine.replicas={point['replicas']}",
+        "iterations=100000"])
+    ids = chat.encode(ANSWER)[:1] * TOKENS
+    engines = [EmulatedEngine(lat["call_s"], lat["token_s"], ids, ANSWER)
+               for _ in range(point["replicas"])]
+    host = EmulatedEnvHost(lat["step_s"], chat=chat if point.get("host_ids", True) else None)
+    svc = RolloutService(cfg, chat, engines, [host], LocalRewardClient(),
+                         {"emu": SamplingParams(max_new_tokens=TOKENS)}, max_context=4096,
+                         shard=(shard, point["shards"]))
+    return svc, engines, host
+
+
+def shard_main(conn: Any, point: dict[str, Any], shard: int, chat: ChatFormat) -> None:
+    """One shard process: serves the coordinator's calls, measures between two marks."""
+    os.sched_setaffinity(0, {shard % os.cpu_count()})
+    svc, engines, host = build(point, shard, chat)
+    log: list[tuple[str, float, float]] = []
+    for name in SCHED:
+        _timed(svc.sched, name, log)
+    _timed(svc.routing, "route", log)
+    rss0, marks, live = _rss(), [], []
+    conn.send("ready")
+    while True:
+        cmd, arg = conn.recv()
+        out: Any = None
+        if cmd == "start":
+            svc.start()
+        elif cmd == "try_take":
+            if len(marks) == 1:
+                live.append(len(svc.live))
+            got = svc.try_take(arg)
+            if got is not None:
+                trajs, info = got
+                lag = max(arg - t.turns[0].weight_version for t in trajs)  # its start version
+                out = ([t.sample_id for t in trajs], lag, info["dropped"],
+                       {k: v for k, v in info["metrics"].items() if k.startswith("rollout/")})
+        elif cmd == "set_version":
+            for e in engines:
+                e.weight_version = arg
+            svc.set_version(arg)
+        elif cmd == "mark":
+            if not marks:
+                svc.runner.turn_log = []
+                del log[:]
+            marks.append((time.perf_counter(), time.process_time(), _rss(), len(svc.live),
+                          _runqueue_wait_s()))
+        elif cmd == "report":
+            out = _report(svc, engines[0].nominal_s, host, marks, log, live, rss0)
+        elif cmd == "stop":
+            out = svc.stop()
+            conn.send(out)
+            return
+        conn.send(out)
+
+
+def _report(svc: RolloutService, engine_s: float, host: EmulatedEnvHost, marks: list,
+            log: list, live: list[int], rss0: int) -> dict[str, Any]:
+    (a, cpu_a, rss_a, live_a, wait_a), (b, cpu_b, _, _, wait_b) = marks[0], marks[1]
+    turns = [x for x in svc.runner.turn_log if a <= x[1] <= b]
+    overhead = [(t1 - t0) - engine_s - host.nominal_s(eid, turn) for t0, t1, eid, turn in turns]
+    sched = [dt for name, t0, dt in log if name != "route" and a <= t0 <= b]
+    by = {n: [dt for name, t0, dt in log if name == n and a <= t0 <= b] for n in (*SCHED, "route")}
+    return {"window_s": b - a, "turns": len(turns), "cpu_s": cpu_b - cpu_a,
+            "runqueue_wait_s": wait_b - wait_a,
+            "overhead_s": overhead, "sched_s": sched,
+            "sched_p99_ms": {n: float(np.percentile(v, 99) * 1e3) for n, v in by.items() if v},
+            "sched_calls": {n: len(v) for n, v in by.items()},
+            "mem_bytes": rss_a - rss0, "live_at_mark": live_a,
+            "live_mean": statistics.fmean(live) if live else float(live_a)}
+
+
+class ShardProxy:
+    """A shard process as a handle with RolloutService's methods (for ShardedRollout)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.lock = conn, threading.Lock()
+        self.samples: list[str] = []
+        self.max_lag = 0
+
+    def ask(self, cmd: str, arg: Any = None) -> Any:
+        with self.lock:
+            self.conn.send((cmd, arg))
+            return self.conn.recv()
+
+    def start(self) -> None:
+        self.ask("start")
+
+    def try_take(self, update: int) -> Any:
+        out = self.ask("try_take", update)
+        if out is None:
+            return None
+        ids, lag, dropped, metrics = out
+        self.samples += ids
+        self.max_lag = max(self.max_lag, lag)
+        return [], {"dropped": dropped, "metrics": metrics}
+
+    def set_version(self, version: int) -> None:
+        self.ask("set_version", version)
+
+    def stop(self) -> dict[str, Any]:
+        return self.ask("stop")
+
+
+def run_point(point: dict[str, Any], chat: ChatFormat, warmup: float, window: float
+              ) -> dict[str, Any]:
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(point["shards"])]
+    procs = [ctx.Process(target=shard_main, args=(c, point, k, chat), daemon=True)
+             for k, (_, c) in enumerate(pipes)]
+    for p in procs:
+        p.start()
+    proxies = [ShardProxy(mine) for mine, _ in pipes]
+    for p in proxies:
+        assert p.conn.recv() == "ready"
+    coord = ShardedRollout(proxies)
+    coord.start()
+    stop, updates = threading.Event(), [0]
+
+    def trainer() -> None:
+        while not stop.is_set():
+            if coord.try_take(updates[0]) is None:
+                time.sleep(0.01)
+                continue
+            updates[0] += 1
+            coord.set_version(updates[0])
+
+    th = threading.Thread(target=trainer, daemon=True)
+    th.start()
+    time.sleep(warmup)
+    for p in proxies:
+        p.ask("mark")
+    cpu0, u0 = time.process_time(), updates[0]
+    time.sleep(window)
+    for p in proxies:
+        p.ask("mark")
+    coord_cpu, batches = time.process_time() - cpu0, updates[0] - u0
+    reps = [p.ask("report") for p in proxies]
+    stop.set()
+    th.join()
+    stats = coord.stop()
+    for p in procs:
+        p.join(timeout=10)
+    samples = [s for p in proxies for s in p.samples]
+    turns = sum(r["turns"] for r in reps)
+    over = np.array([x for r in reps for x in r["overhead_s"]]) * 1e3
+    sched = np.array([x for r in reps for x in r["sched_s"]]) * 1e3
+    live = sum(r["live_mean"] for r in reps)
+    return {**point,
+            "turns_per_s": sum(r["turns"] / r["window_s"] for r in reps),
+            "overhead_p50_ms": float(np.percentile(over, 50)) if len(over) else None,
+            "overhead_p99_ms": float(np.percentile(over, 99)) if len(over) else None,
+            "sched_decision_p50_ms": float(np.percentile(sched, 50)) if len(sched) else None,
+            "sched_decision_p99_ms": float(np.percentile(sched, 99)) if len(sched) else None,
+            "sched_p99_ms_by_call": [r["sched_p99_ms"] for r in reps],
+            "sched_calls": [r["sched_calls"] for r in reps],
+            "live_mean": live,
+            "mem_per_live_episode_kb": sum(r["mem_bytes"] for r in reps) / 1024
+            / max(1, sum(r["live_at_mark"] for r in reps)),
+            "cpu_s_per_1000_turns": 1000 * sum(r["cpu_s"] for r in reps) / max(1, turns),
+            "shard_cpu_util": [r["cpu_s"] / r["window_s"] for r in reps],
+            # share of the window a shard's threads waited for a core held by someone else
+            "shard_runqueue_wait_share": [r["runqueue_wait_s"] / r["window_s"] for r in reps],
+            "coordinator_cpu_util": coord_cpu / window, "batches": batches,
+            "samples_consumed": len(samples), "samples_unique": len(set(samples)),
+            "max_staleness_seen": max(p.max_lag for p in proxies),
+            "counters": stats["counters"]}
+
+
+def grid(quick: bool) -> list[dict[str, Any]]:
+    pts = []
+    for episodes in ((256, 4096) if quick else (64, 256, 1024, 4096)):
+        for shards in (1, 2):
+            pts.append({"regime": "paced", "episodes": episodes, "shards": shards,
+                        "replicas": 8})
+    if not quick:
+        pts += [{"regime": "paced", "episodes": 4096, "shards": 1, "replicas": r}
+                for r in (1, 32)]
+        # the service tokenizing every observation itself (env hosts that send text only)
+        pts.append({"regime": "paced", "episodes": 4096, "shards": 1, "replicas": 8,
+                    "host_ids": False})
+    pts += [{"regime": "saturated", "episodes": 4096, "shards": s, "replicas": 8}
+            for s in ((1, 2) if quick else (1, 2, 4))]
+    return pts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warmup", type=float, default=10.0, help="paced points (saturated: 4)")
+    ap.add_argument("--window", type=float, default=6.0, help="paced points (saturated: 5)")
+    ap.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
+    ap.add_argument("--out", default=str(ROOT / "results/rollout_scale.json"))
+    args = ap.parse_args()
+    cfg = load_config(None, ["tasks=[{name: emu, env_id: FrozenLake-v1}]"])
+    chat = ChatFormat(build_tokenizer(make_env(cfg.tasks[0]).corpus_texts(episodes=5), 320))
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for point in grid(args.quick):
+            sat = point["regime"] == "saturated"
+            r = run_point(point, chat, 4.0 if sat else args.warmup, 5.0 if sat else args.window)
+            r["repeat"] = rep
+            runs.append(r)
+            print(f"rep {rep} {point}: {r['turns_per_s']:.0f} turns/s, overhead p50/p99 "
+                  f"{r['overhead_p50_ms']:.2f}/{r['overhead_p99_ms']:.2f} ms, live "
+                  f"{r['live_mean']:.0f}, cpu/1k turns {r['cpu_s_per_1000_turns']:.3f} s, "
+                  f"util {r['shard_cpu_util']}, runqueue wait {r['shard_runqueue_wait_share']}",
+                  flush=True)
+    out = summarise(runs, args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    h = out["headline"]
+    print(f"rollout_scale: turns_per_s_4096={h['turns_per_s_4096']:.0f} "
+          f"overhead_p99_ms_4096={h['overhead_p99_ms_4096']:.2f} "
+          f"two_shards_over_one={h['two_shards_over_one']:.2f} "
+          f"(spread over {args.repeats} repeats: {h['spread']})")
+
+
+def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    def pick(**kw: Any) -> list[dict[str, Any]]:
+        return [r for r in runs if all(r[k] == v for k, v in kw.items())]
+
+    def med(rs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in rs)
+
+    paced = [r for r in pick(regime="paced", episodes=4096, shards=1, replicas=8)
+             if r.get("host_ids", True)]
+    sat1 = pick(regime="saturated", shards=1)
+    sat2 = pick(regime="saturated", shards=2)
+    ratios = [b["turns_per_s"] / a["turns_per_s"] for a, b in zip(sat1, sat2, strict=True)]
+    headline = {
+        "turns_per_s_4096": med(paced, "turns_per_s"),
+        "overhead_p99_ms_4096": med(paced, "overhead_p99_ms"),
+        "overhead_p50_ms_4096": med(paced, "overhead_p50_ms"),
+        "two_shards_over_one": statistics.median(ratios),
+        "saturated_turns_per_s_1_shard": med(sat1, "turns_per_s"),
+        "saturated_turns_per_s_2_shards": med(sat2, "turns_per_s"),
+        "spread": {"turns_per_s_4096": [round(r["turns_per_s"]) for r in paced],
+                   "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
+                   "two_shards_over_one": [round(x, 3) for x in ratios]},
+    }
+    return {"headline": headline, "runs": runs,
+            "setup": {"group_size": GROUP, "max_staleness": ALPHA, "tokens_per_turn": TOKENS,
+                      "regimes": REGIMES, "warmup_s": args.warmup, "window_s": args.window,
+                      "repeats": args.repeats, "cores": os.cpu_count(),
+                      "load_avg_at_end": os.getloadavg()}}
+
+
+if __name__ == "__main__":
+    main()

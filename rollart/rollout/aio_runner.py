@@ -1,0 +1,391 @@
+"""Episodes as asyncio tasks: the rollout service's `rollout.runner: asyncio`.
+
+The threaded runner (rollart/rollout/service.py) gives every live episode its own Python thread,
+plus one batcher thread per engine replica and a watchdog thread that scans every live episode
+each 50 ms. Here one event loop (one thread) runs them all:
+
+    episode task   (one per live episode) open env -> [route -> batcher -> step env]* -> reward
+    batcher task   (one per engine replica) drains queued turns into one `generate` call;
+                   up to `engine.concurrent_calls` calls in flight (1 unless the engine says so)
+    sweeper        fails an episode whose env call runs past `rollout.env_timeout_s` (it checks
+                   the live episodes' deadlines every timeout / 20, 0.05 .. 1 s: a timer per env
+                   call cost more than the sweep at thousands of episodes)
+
+The loop waits in select(2), not epoll: it watches one file (its wake-up pipe), and select takes
+microsecond timeouts where epoll rounds every wait up to a whole millisecond (a 2 ms
+`batch_wait_s` became 2-3 ms, and every emulated engine or env wait ran late by up to 1 ms).
+
+Handles whose method is a coroutine function (in-process async engines and env hosts, such as the
+emulated ones of benchmarks/rollout_scale.py) are awaited on the loop. Anything else (a Dask actor,
+the HF engine, a blocking env host) runs in a fixed pool of threads (`rollout.env_host_threads`,
+at least 8), through `rollart.handles.call` with its deadline, so thread count never grows with
+the number of episodes. The service's bookkeeping (scheduler decisions, ledger, metrics) is the
+same code for both runners; only how an episode waits differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import gc
+import inspect
+import selectors
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rollart.handles import call
+from rollart.rollout.batcher import EpisodeCancelled, LiveEpisode
+from rollart.rollout.env_manager import (
+    EpisodeSpec,
+    begin_episode,
+    fail_episode,
+    new_episode,
+    record_completion,
+    record_step,
+)
+from rollart.rollout.failover import NoReplicaLeft, is_replica_loss
+from rollart.routing.router import NoHealthyReplica
+from rollart.types import Completion, GenerationRequest
+
+# (turn start, turn end, episode id, turn index): perf_counter seconds, for benchmarks
+TurnRecord = tuple[float, float, str, int]
+
+
+class AsyncRunner:
+    """Runs the episodes of RolloutService `svc` on one event loop thread."""
+
+    def __init__(self, svc: Any) -> None:
+        self.svc = svc
+        self.loop = asyncio.SelectorEventLoop(selectors.SelectSelector())
+        self.pool = ThreadPoolExecutor(max(8, svc.cfg.rollout.env_host_threads),
+                                       thread_name_prefix="rollout-io")
+        self.tasks: set[asyncio.Task] = set()
+        self.turn_log: list[TurnRecord] | None = None  # set to [] to record every turn
+        self.thread: threading.Thread | None = None
+        self._ident: int | None = None
+        self._ready = threading.Event()
+        self._coro: dict[tuple[type, str], bool] = {}
+
+    # ---- the loop ------------------------------------------------------------------------
+    def start(self) -> None:
+        r = self.svc.cfg.rollout
+        if r.gc_threshold is not None:  # see RolloutConfig.gc_threshold
+            gc.freeze()
+            gc.set_threshold(*r.gc_threshold)
+        if r.switch_interval_s is not None:  # see RolloutConfig.switch_interval_s
+            sys.setswitchinterval(min(sys.getswitchinterval(), r.switch_interval_s))
+        self.thread = self.svc._spawn(self._main, name="rollout-loop")
+        self._ready.wait()
+        for b in self.svc.batchers:
+            self.in_loop(lambda b=b: self._keep(self.loop.create_task(b.run())))
+        self.in_loop(lambda: self._keep(self.loop.create_task(self._sweep())))
+
+    async def _sweep(self) -> None:
+        """The watchdog's rule (RolloutService._expired) on the loop, at a coarse period."""
+        svc = self.svc
+        period = min(1.0, max(0.05, svc.cfg.rollout.env_timeout_s / 20))
+        while not svc.stopping:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for live in list(svc.live.values()):  # a copy: other threads change `live`
+                if live.deadline is not None and now > live.deadline:
+                    svc._expired(live)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._ident = threading.get_ident()
+        self.loop.call_soon(self._ready.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            tasks = list(self.tasks)
+            for t in tasks:
+                t.cancel()
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.close()
+
+    def in_loop(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the loop: now if called from it, else soon (thread-safe)."""
+        if threading.get_ident() == self._ident:
+            fn()
+        else:
+            self.loop.call_soon_threadsafe(fn)
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def launch(self, lives: list[LiveEpisode], slice_size: int = 32) -> None:
+        """Start these episodes: one wake-up of the loop for all of them, `slice_size` per
+        loop iteration (a new batch's groups start hundreds at once; their first steps in one
+        iteration would hold up every turn in flight for tens of milliseconds)."""
+        def now(start: int = 0) -> None:
+            for live in lives[start:start + slice_size]:
+                self._keep(self.loop.create_task(self.episode(live)))
+            if start + slice_size < len(lives):
+                self.loop.call_soon(now, start + slice_size)
+        self.in_loop(now)
+
+    def stop(self) -> None:
+        if self.thread is None:
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5.0)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def call(self, handle: Any, method: str, *args: Any) -> Any:
+        """Await a coroutine method on the loop; run anything else in the pool."""
+        key = (type(handle), method)
+        coro = self._coro.get(key)
+        if coro is None:
+            coro = self._coro[key] = inspect.iscoroutinefunction(getattr(handle, method))
+        if coro:
+            return await getattr(handle, method)(*args)
+        ctx = contextvars.copy_context()  # a Dask worker's context reaches the pool thread
+        return await self.loop.run_in_executor(self.pool, ctx.run, call, handle, method, *args)
+
+    # ---- one episode ---------------------------------------------------------------------
+    async def episode(self, live: LiveEpisode) -> None:
+        svc, st = self.svc, live.start
+        params = svc.params[st.task]
+        ep = new_episode(EpisodeSpec(svc.tasks[st.task], st.seed, st.group_id, st.episode_id,
+                                     st.iteration))
+        ep.traj.allowed_token_ids = params.allowed_token_ids
+        ep.traj.allowed_sequences = params.allowed_sequences
+        reason = "env_error"
+        t0 = time.perf_counter()
+        try:
+            opened = await self._host(live, "open", live.id, st.task, st.seed)
+        except Exception:
+            fail_episode(ep, "reset")
+        else:  # (system, observation[, prompt ids from a host that tokenizes])
+            begin_episode(ep, svc.chat, *opened)
+        ep.timings["env_s"] += time.perf_counter() - t0
+        try:
+            while not ep.done and not live.cancelled:
+                turn = ep.traj.num_turns
+                req = GenerationRequest(f"{st.episode_id}#t{turn}", list(ep.traj.token_ids),
+                                        params)
+                t0 = time.perf_counter()
+                comp = await self._generate(live, req, ep.pending_prompt_tokens)
+                t1 = time.perf_counter()
+                ep.timings["generate_s"] += t1 - t0
+                if comp is None or live.cancelled:
+                    break  # stopping with no replica left / cancelled meanwhile
+                record_completion(ep, comp, svc.chat)
+                t1 = time.perf_counter()
+                try:
+                    result = await self._host(live, "step", live.id, comp.text)
+                except Exception:
+                    ep.timings["env_s"] += time.perf_counter() - t1
+                    fail_episode(ep, "step")
+                    break
+                env_s = time.perf_counter() - t1
+                ep.timings["env_s"] += env_s
+                record_step(ep, comp, result, env_s, svc.chat, svc.max_context,
+                            params.max_new_tokens)
+                if self.turn_log is not None:
+                    self.turn_log.append((t0, time.perf_counter(), live.id, turn))
+        except EpisodeCancelled:
+            pass
+        except NoReplicaLeft as err:  # the run cannot go on: say why
+            with svc.lock:
+                svc.fatal = svc.fatal or err
+                svc.lock.notify_all()
+            live.cancelled = True
+        except Exception as err:  # the engine's own error: costs this episode, not the replica
+            ep.traj.error = f"generate: {type(err).__name__}: {err}"
+            reason = "engine_error"
+        await self._close(live)
+        svc.routing.episode_end(live.id, st.task, ep.traj)
+        ep.traj.timings.update(ep.timings)
+        if live.cancelled:
+            return  # already accounted for by whoever cancelled it
+        if ep.traj.error is not None:
+            svc.recent_errors.append(f"{live.id}: {ep.traj.error}")
+            self._locked(svc._failed, live, reason, False)
+            return
+        try:
+            fut = svc.reward.submit(ep.traj)
+            if not fut.done():
+                await asyncio.wrap_future(fut)
+            fut.result()
+        except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
+            with svc.lock:
+                svc.fatal = err
+                svc.lock.notify_all()
+            return
+        self._locked(svc._scored, live, ep.traj)
+
+    def _locked(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` under the service's lock, without blocking the loop: while the trainer's
+        side holds it (taking a batch, starting the next groups: milliseconds at thousands of
+        episodes), the loop goes on with other turns and tries again 0.5 ms later."""
+        lock = self.svc.lock
+        if not lock.acquire(blocking=False):
+            self.loop.call_later(0.0005, self._locked, fn, *args)
+            return
+        try:
+            fn(*args)  # its own `with lock` re-enters
+        finally:
+            lock.release()
+
+    async def _host(self, live: LiveEpisode, method: str, *args: Any) -> Any:
+        """An env-host call with the episode's timeout armed; a lost host is routed around."""
+        svc = self.svc
+        live.deadline = time.monotonic() + svc.cfg.rollout.env_timeout_s
+        try:
+            return await self.call(svc.hosts[live.host], method, *args)
+        except OSError:  # the host's worker is gone: route new episodes around it
+            svc.host_lost(live.host)
+            raise
+        finally:
+            live.deadline = None
+
+    async def _close(self, live: LiveEpisode) -> None:
+        if self.svc.hosts_alive[live.host]:
+            try:
+                await self.call(self.svc.hosts[live.host], "close", live.id)
+            except Exception:  # best effort: the episode is over either way
+                pass
+
+    async def _generate(self, live: LiveEpisode, req: GenerationRequest, new_tokens: int
+                        ) -> Completion | None:
+        """As RolloutService._generate: a turn lost with its replica goes to another one."""
+        svc = self.svc
+        flags = svc.health.alive  # read without its lock: a list of bools, set in place
+        while True:
+            if not flags[live.engine]:  # its replica is gone: the least loaded alive one
+                alive = [i for i, ok in enumerate(flags) if ok] or await self._wait_any(live)
+                if not alive:
+                    return None
+                with svc.lock:
+                    on = Counter(x.engine for x in svc.live.values())
+                live.engine = min(alive, key=lambda i: on[i])
+            try:
+                engine = svc.routing.route(live.id, live.start.task, req, new_tokens,
+                                           live.engine)
+            except NoHealthyReplica:  # the router heard of a loss before the health flags
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                return await svc.batchers[engine].agenerate(req, live)
+            except EpisodeCancelled:
+                raise
+            except Exception as err:
+                if not is_replica_loss(err):
+                    svc.routing.abandon(req.request_id)
+                    raise
+                svc.engine_lost(engine, err)
+                svc.totals.counters["turns_reissued"] += 1
+
+    async def _wait_any(self, live: LiveEpisode) -> list[int]:
+        """No replica serves: wait for one (EngineHealth.wait_any without blocking the loop)."""
+        health = self.svc.health
+        deadline = health.clock() + health.wait_timeout_s
+        while True:
+            alive = health.alive_indices()
+            if alive or self.svc.stopping or live.cancelled:
+                return alive
+            if health.clock() > deadline:
+                raise health.none_left()
+            await asyncio.sleep(0.05)
+
+
+class AsyncBatcher:
+    """EngineBatcher's twin on the loop: continuous (whatever is queued goes, after
+    `wait_s`), or lockstep when `members` is given (wait for a turn of each of the `members()`
+    live episodes on this engine; requests sorted by id)."""
+
+    def __init__(self, runner: AsyncRunner, engine: Any, max_batch: int, wait_s: float,
+                 members: Callable[[], int] | None = None,
+                 on_served: Callable[[list[str], float], None] | None = None) -> None:
+        self.runner, self.engine, self.max_batch, self.wait_s = runner, engine, max_batch, wait_s
+        self.members, self.on_served = members, on_served
+        self.queue: list[tuple[GenerationRequest, asyncio.Future, LiveEpisode]] = []
+        self.wake = asyncio.Event()
+        self.busy_s = 0.0
+        self.calls = 0
+        self.stopping = False
+
+    async def agenerate(self, request: GenerationRequest, live: LiveEpisode) -> Completion:
+        fut = self.runner.loop.create_future()
+        self.queue.append((request, fut, live))
+        self.wake.set()
+        return await fut
+
+    def _ready(self) -> bool:
+        if not self.queue:
+            return False
+        return self.members is None or len(self.queue) >= min(self.members(), self.max_batch)
+
+    def _fail_all(self, err: BaseException) -> None:
+        queued, self.queue = self.queue, []
+        for _, fut, _ in queued:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def fail_queued(self, err: BaseException) -> None:
+        """The replica is lost: its queued turns go back to their episodes (thread-safe)."""
+        self.runner.in_loop(lambda: self._fail_all(err))
+
+    def stop(self) -> None:
+        def now() -> None:
+            self.stopping = True
+            self._fail_all(EpisodeCancelled())
+            self.wake.set()
+        self.runner.in_loop(now)
+
+    async def run(self) -> None:
+        slots = asyncio.Semaphore(max(1, int(getattr(self.engine, "concurrent_calls", 1))))
+        while True:
+            await slots.acquire()
+            while not self.stopping and not self._ready():
+                if self.members is not None:
+                    await asyncio.sleep(0.01)
+                else:
+                    self.wake.clear()
+                    await self.wake.wait()
+            if self.stopping:
+                return
+            if self.members is None and self.wait_s and len(self.queue) < self.max_batch:
+                await asyncio.sleep(self.wait_s)  # let other episodes' turns join this batch
+            queued = sorted(self.queue, key=lambda x: x[0].request_id) if self.members \
+                else self.queue
+            items, self.queue = queued[: self.max_batch], queued[self.max_batch:]
+            for _, fut, live in items:
+                if live.cancelled and not fut.done():
+                    fut.set_exception(EpisodeCancelled())
+            items = [x for x in items if not x[1].done()]
+            if not items:
+                slots.release()
+                continue
+            self.runner._keep(self.runner.loop.create_task(self._serve(items, slots)))
+
+    async def _serve(self, items: list[tuple[GenerationRequest, asyncio.Future, LiveEpisode]],
+                     slots: asyncio.Semaphore) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = await self.runner.call(self.engine, "generate", [r for r, _, _ in items])
+        except Exception as err:  # the episodes decide: re-issue (replica lost) or fail
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
+            for _, fut, _ in items:
+                if not fut.done():
+                    fut.set_exception(err)
+            return  # no `on_served`: a failed call's time says nothing of the replica
+        finally:
+            slots.release()
+        busy = time.perf_counter() - t0
+        self.busy_s += busy
+        self.calls += 1
+        if self.on_served is not None:
+            self.on_served([r.request_id for r, _, _ in items], busy)
+        for (_, fut, _), comp in zip(items, out, strict=True):
+            if not fut.done():
+                fut.set_result(comp)

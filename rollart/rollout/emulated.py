@@ -1,0 +1,121 @@
+"""Zero-cost emulated engines and env hosts, to measure the rollout service's control path alone.
+
+`EmulatedEngine.generate` and `EmulatedEnvHost.open/step/close` are coroutines: the asyncio
+runner (rollart/rollout/aio_runner.py) awaits them on its loop, so an emulated turn costs only
+its timer, and everything else a turn does is the real service's code (scheduler, router,
+batchers, env manager, token bookkeeping, reward, ledger). No model, no env logic:
+
+- engine: every call takes `call_s + token_s * tokens` seconds (fixed per-call latency plus a
+  per-token cost) and answers each request with `tokens` tokens; it accepts any number of calls
+  at once (`concurrent_calls`), like a continuous-batching server, so a turn never queues
+  behind another batch;
+- env host: a reset or step takes `step_s(episode id, turn)` seconds: `step_s` times a
+  deterministic factor in [0.5, 1.5) (so episodes do not stay in lockstep waves), and an
+  episode ends after `turns(seed)` steps.
+
+Benchmarks subtract these nominal times from the measured turn latency: what is left (loop
+lag included, since a late timer is the loop's fault) is the control overhead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Any
+
+from rollart.models.chat import ChatFormat
+from rollart.types import Completion, GenerationRequest
+
+OBSERVATION = "You stand on tile {pos} of 16. Goal: tile 15. Moves so far: {turn}."
+
+
+def jitter(key: str) -> float:
+    """A deterministic factor in [0.5, 1.5) from `key` (the same in every process)."""
+    return 0.5 + (zlib.crc32(key.encode()) % 10_000) / 10_000
+
+
+class EmulatedEngine:
+    """An inference engine that only waits: `call_s + token_s * tokens` per call."""
+
+    concurrent_calls = 1 << 20
+
+    def __init__(self, call_s: float, token_s: float, tokens: list[int], text: str,
+                 params: float = 135e6) -> None:
+        self.call_s, self.token_s, self.tokens, self.text = call_s, token_s, tokens, text
+        self.params = params
+        self.weight_version = 0
+        self.calls = 0
+        self.requests = 0
+
+    @property
+    def nominal_s(self) -> float:
+        return self.call_s + self.token_s * len(self.tokens)
+
+    def param_count(self) -> float:
+        return self.params
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        version, wait = self.weight_version, self.nominal_s
+        await asyncio.sleep(wait)
+        self.calls += 1
+        self.requests += len(requests)
+        n = len(self.tokens)
+        return [Completion(r.request_id, list(self.tokens), [-0.5] * n, self.text, "eos",
+                           version, len(r.prompt_ids), wait) for r in requests]
+
+
+class EmulatedEnvHost:
+    """An env host whose envs only wait; episode `e` (seed s) ends after `turns(s)` steps."""
+
+    SYSTEM = "Reach the goal. Answer with <answer>MOVE</answer>."
+
+    def __init__(self, step_s: float, min_turns: int = 4, max_turns: int = 8,
+                 chat: ChatFormat | None = None) -> None:
+        """`chat`: answer with prompt ids too, as an env host that tokenizes its observations
+        would (computed once per distinct text here: the emulated host costs nothing)."""
+        self.step_s, self.min_turns, self.max_turns = step_s, min_turns, max_turns
+        self.envs: dict[str, list[int]] = {}  # episode id -> [turn, turns]
+        self.opened = 0
+        self.chat = chat
+        self._ids: dict[tuple[bool, str], list[int]] = {}
+
+    def _prompt_ids(self, first: bool, obs: str) -> list[int]:
+        ids = self._ids.get((first, obs))
+        if ids is None:
+            c = self.chat
+            ids = (c.system(self.SYSTEM) if first else []) + c.user(obs) + c.assistant_header()
+            self._ids[(first, obs)] = ids
+        return list(ids)
+
+    def turns(self, seed: int) -> int:
+        return self.min_turns + seed % (self.max_turns - self.min_turns + 1)
+
+    def nominal_s(self, episode_id: str, turn: int) -> float:
+        """The wait of step `turn` of the episode (turn -1: the reset)."""
+        return self.step_s * jitter(f"{episode_id}#{turn}")
+
+    async def open(self, episode_id: str, task: str, seed: int) -> tuple:
+        await asyncio.sleep(self.nominal_s(episode_id, -1))
+        self.envs[episode_id] = [0, self.turns(seed)]
+        self.opened += 1
+        obs = OBSERVATION.format(pos=seed % 16, turn=0)
+        if self.chat is None:
+            return self.SYSTEM, obs
+        return self.SYSTEM, obs, self._prompt_ids(True, obs)
+
+    async def step(self, episode_id: str, text: str) -> tuple[str, float, bool, bool, dict]:
+        state = self.envs[episode_id]
+        await asyncio.sleep(self.nominal_s(episode_id, state[0]))
+        state[0] += 1
+        done = state[0] >= state[1]
+        obs = OBSERVATION.format(pos=state[0], turn=state[0])
+        info: dict[str, Any] = {"action": "right", "format_ok": True, "success": done}
+        if self.chat is not None and not done:
+            info["prompt_ids"] = self._prompt_ids(False, obs)
+        return obs, 1.0 if done else 0.0, done, False, info
+
+    async def close(self, episode_id: str) -> None:
+        self.envs.pop(episode_id, None)
+
+    async def stats(self) -> dict[str, Any]:
+        return {"live_envs": len(self.envs), "opened": self.opened}
