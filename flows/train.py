@@ -56,7 +56,8 @@ def train(
 ) -> dict[str, Any]:
     """Train a policy. `scheduler_address` uses an existing Dask cluster instead of starting one.
     `*_block` name Prefect blocks (blocks/) whose settings apply between the config file and
-    `overrides`; their secrets go to the environment, never into the config or the logs.
+    `overrides`; their secrets stay in this process's memory for the run and reach only the
+    workers whose class uses them (rollart/secrets.py), never the config or the logs.
     `resume` (a run id) continues that run from its latest complete checkpoint."""
     blocks = resolve_blocks(storage_block, rewards_block, cluster_block, model_block)
     # invalid config fails before any cluster starts
