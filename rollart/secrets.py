@@ -27,6 +27,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -123,10 +124,10 @@ def scope(cfg: RunConfig) -> dict[str, frozenset[str]]:
         for var in STORAGE_VARS:
             out.setdefault(var, set()).update(everyone)
     if cfg.reward.backend == "lambda":
-        from rollart.rewards.client import is_loopback
-
         url = cfg.reward.endpoint_url  # None + embedded: the run's own endpoint, on loopback
-        local = is_loopback(url) or (url is None and cfg.reward.embedded_endpoint)
+        host = urlparse(url).hostname if url else None  # as rewards.client.is_loopback
+        local = host in ("127.0.0.1", "localhost", "::1") or (
+            url is None and cfg.reward.embedded_endpoint)
         for var in LAMBDA_VARS if local else STORAGE_VARS:  # AWS Lambda signs with AWS_*
             out.setdefault(var, set()).update(scorers)
     return {k: frozenset(v) for k, v in out.items()}
