@@ -22,6 +22,7 @@ from blocks import resolve_blocks
 from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolver
 from flows.artifacts import artifact_key
 from infra.clusters import open_cluster
+from rollart import secrets
 from rollart.config import check_run_id, load_config
 from rollart.run import RunSpec
 from rollart.services import EngineService
@@ -61,6 +62,7 @@ def evaluate(
                          f"{'at step ' + str(step) if step is not None else 'yet'} "
                          f"(have {store.list_checkpoints()})")
     with contextlib.ExitStack() as stack:
+        stack.enter_context(secrets.held_out_of_environment())  # no worker inherits a secret
         address = stack.enter_context(
             open_cluster(cfg.cluster, scheduler_address, dashboard=False)).address
         logger.info("Evaluating %s checkpoint %d: %d greedy episodes on held-out seeds (Dask %s)",
@@ -87,7 +89,7 @@ def evaluate(
 
 @flow(name="evaluate-on-cluster", validate_parameters=False)
 def evaluate_on_cluster(run: RunSpec, step: int, episodes: int, address: str) -> dict[str, float]:
-    with Client(address) as client:
+    with Client(address) as client, secrets.on_cluster(client, run.cfg):
         if run.cfg.storage.credentials_block:
             client.register_plugin(CredentialsResolverPlugin())
         engine = client.submit(EngineService, run, 0, actor=True,

@@ -25,8 +25,8 @@ from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolv
 from flows.artifacts import RunArtifacts
 from infra.clusters import open_cluster
 from infra.lambda_endpoint import with_embedded_endpoint
-from rollart import progress
-from rollart.config import ConfigError, check_run_id, load_config
+from rollart import progress, secrets
+from rollart.config import ConfigError, RunConfig, check_run_id, load_config
 from rollart.dask_services import DaskServices
 from rollart.driver import IterationDriver, IterationResult, Placement
 from rollart.metrics import summary_row
@@ -56,13 +56,23 @@ def train(
 ) -> dict[str, Any]:
     """Train a policy. `scheduler_address` uses an existing Dask cluster instead of starting one.
     `*_block` name Prefect blocks (blocks/) whose settings apply between the config file and
-    `overrides`; their secrets go to the environment, never into the config or the logs.
+    `overrides`; their secrets stay in this process's memory for the run and reach only the
+    workers whose class uses them (rollart/secrets.py), never the config or the logs.
     `resume` (a run id) continues that run from its latest complete checkpoint."""
     blocks = resolve_blocks(storage_block, rewards_block, cluster_block, model_block)
     # invalid config fails before any cluster starts
     cfg = load_config(config, blocks.overrides + list(overrides or []))
     blocks.apply_environment()
     install_credentials_resolver()  # storage.credentials_block, in this process
+    # For the whole run the secrets live in this process's memory, not its environment: worker
+    # processes it starts inherit none; each worker gets what its class needs (on_cluster).
+    with secrets.held_out_of_environment():
+        return _train(cfg, blocks.overrides + list(overrides or []), scheduler_address, run_id,
+                      resume)
+
+
+def _train(cfg: RunConfig, overrides: list[str], scheduler_address: str | None,
+           run_id: str | None, resume: str | None) -> Any:
     if resume and run_id and run_id != resume:
         return Failed(message=f"run_id {run_id!r} and resume {resume!r} differ")
     run_id = resume or run_id or new_run_id(cfg.name)
@@ -74,8 +84,7 @@ def train(
     lock = None  # one writer per run id: a second train/resume of it fails here, naming us
     try:  # store reachable with these credentials; resume point; before any cluster starts
         lock = run_lock(cfg.storage, run_id)
-        cfg, point = start_run(cfg, blocks.overrides + list(overrides or []), run_id,
-                               resume=bool(resume), lock=lock)
+        cfg, point = start_run(cfg, overrides, run_id, resume=bool(resume), lock=lock)
     except (StorageError, ResumeError) as err:
         if lock is not None:
             lock.release()
@@ -85,8 +94,8 @@ def train(
         progress.note(describe(point).capitalize())
     with contextlib.ExitStack() as stack:
         stack.callback(lock.release)  # last, at the run's end or abort alike
-        # Before the cluster: its worker processes (local, or Slurm jobs exporting this
-        # environment) inherit the endpoint's key pair to sign with.
+        # Before the cluster: the endpoint's key pair is held here and goes to the workers that
+        # score rewards (secrets.on_cluster in `iterations`).
         cfg = with_embedded_endpoint(cfg, stack)
         cluster = stack.enter_context(open_cluster(cfg.cluster, scheduler_address))
         address = cluster.address
@@ -119,7 +128,7 @@ def iterations(run: RunSpec, address: str, resume_step: int | None = None) -> di
         progress.report(row)
         artifacts.iteration(res.plan.step, row, res.metrics, res.checkpoint)
 
-    with Client(address) as client:
+    with Client(address) as client, secrets.on_cluster(client, cfg):
         if cfg.storage.credentials_block:  # workers resolve the secret block themselves
             client.register_plugin(CredentialsResolverPlugin())
         services = DaskServices(client, run, placed)

@@ -50,6 +50,7 @@ from infra.lambda_auth import check_host, verify_sigv4
 from infra.lambda_control import FN, ControlPlane
 from infra.lambda_functions import ApiError, Function, FunctionSpec, split_name
 from infra.lambda_runtime_worker import PASS_ENV, Invocation, Pool, VersionSpec
+from rollart import secrets
 from rollart.rewards.client import LambdaCredentials
 
 # Lambda's own limits: 6 MB for a synchronous Invoke payload; a CreateFunction body carries a
@@ -372,8 +373,8 @@ class _ApiHandler(BaseHTTPRequestHandler):
 def with_embedded_endpoint(cfg: Any, stack: contextlib.ExitStack) -> Any:
     """Start the local endpoint for a run whose rewards go to Lambda with no endpoint given
     (`reward.embedded_endpoint`); returns the config pointed at it. Stopped with `stack`. Its
-    key pair (ROLLART_LAMBDA_* from the environment, else a fresh one) is exported to this
-    process's environment: start it before processes that must sign (an embedded cluster)."""
+    key pair (ROLLART_LAMBDA_* this process holds, else a fresh one) is held by this process
+    (rollart.secrets) until `stack` closes."""
     r = cfg.reward
     if r.backend != "lambda" or r.endpoint_url is not None or not r.embedded_endpoint:
         return cfg
@@ -381,8 +382,11 @@ def with_embedded_endpoint(cfg: Any, stack: contextlib.ExitStack) -> Any:
                         timeout_s=r.timeout_s)
     lam = stack.enter_context(LocalLambda([spec], idle_timeout_s=30,
                                           credentials=LambdaCredentials.from_env()))
-    # This process and what it starts from now on (an embedded Dask cluster) sign with its keys.
-    os.environ.update(lam.credentials.env())
+    # This process holds its keys (in memory, not in the environment) for the run; the run
+    # gives them to the workers that score rewards (rollart.secrets.on_cluster).
+    owner = f"embedded-lambda-{lam.port}"
+    secrets.hold(lam.credentials.env(), owner=owner)
+    stack.callback(secrets.release, owner)
     return cfg.model_copy(update={"reward": r.model_copy(update={"endpoint_url": lam.url})})
 
 

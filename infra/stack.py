@@ -14,8 +14,9 @@ PID (each process leads its own session, so its children go with it).
 
 The state directory is private (0700, files 0600, children under umask 077; infra/state.py)
 before any secret is written to it. The Lambda endpoint accepts only requests signed with the
-stack's Lambda key pair (`lambda-credentials.json`), which the Dask workers and the `local`
-rewards block receive; the Prefect API only basic auth with `prefect-auth`; Dask only TLS
+stack's Lambda key pair (`lambda-credentials.json`), which the `local` rewards block holds; the
+Dask processes get no secret in their environment (a run hands each worker what its class
+needs, rollart/secrets.py); the Prefect API only basic auth with `prefect-auth`; Dask only TLS
 clients with a certificate from the stack's CA (`dask-tls/`, infra/dask_tls.py).
 """
 
@@ -56,6 +57,7 @@ from infra.state import (
     write_private,
 )
 from rollart.cluster_classes import default_workers
+from rollart.secrets import SECRET_VARS
 
 if TYPE_CHECKING:
     from rollart.rewards.client import LambdaCredentials
@@ -68,6 +70,11 @@ DASK_AUTH = "TLS, mutual: a certificate from the stack's CA (<state dir>/dask-tl
 PREFECT_AUTH = "HTTP basic, <state dir>/prefect-auth"
 S3_AUTH = "S3 SigV4, key pair in <state dir>/seaweed"
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
+
+
+def without_secrets(env: dict[str, str]) -> dict[str, str]:
+    """`env` less the S3 and Lambda keys (rollart.secrets.SECRET_VARS)."""
+    return {k: v for k, v in env.items() if k not in SECRET_VARS}
 
 
 def default_state_dir() -> Path:
@@ -230,10 +237,11 @@ class Stack:
         env = {**self.child_env(), "PREFECT_API_URL": f"http://127.0.0.1:{self.ports['prefect']}/api"}
 
         # Launch what does not need the Prefect server, then the server, then the worker.
-        s3_env = self._ensure_s3()
-        # Workers score rewards (they sign Lambda calls); the endpoint verifies with the pair.
-        self._ensure_dask({**env, **s3_env, **creds.env()})
-        self._ensure_lambda({**env, **creds.env()})
+        self._ensure_s3()
+        # Dask processes: no secret in their environment (_ensure_dask). The endpoint verifies
+        # with the Lambda pair and needs nothing else.
+        self._ensure_dask(env)
+        self._ensure_lambda({**without_secrets(env), **creds.env()})
         self._save()
         server = start_prefect(self.state, self.ports["prefect"], timeout)
         self.ports["prefect"] = int(server.api_url.rsplit(":", 1)[1].split("/")[0])
@@ -250,7 +258,9 @@ class Stack:
     def _ensure_dask(self, env: dict[str, str]) -> None:
         from infra.dask_tls import stack_dask_config_dir  # TLS certificates, nanny environ
 
-        dask_env = {**env, "DASK_CONFIG": str(stack_dask_config_dir(self.state))}
+        # No secret, not even one this shell exports: a run hands each worker the keys its
+        # class needs (rollart.secrets.on_cluster) and takes them back when it ends.
+        dask_env = {**without_secrets(env), "DASK_CONFIG": str(stack_dask_config_dir(self.state))}
         if not self.running("dask-scheduler"):
             self._spawn("dask-scheduler", [
                 bin_path("dask"), "scheduler", "--host", "127.0.0.1", "--protocol", "tls",
@@ -286,19 +296,17 @@ class Stack:
             return None
         return seaweed.load_running(self.state)
 
-    def _ensure_s3(self) -> dict[str, str]:
-        """Start (or reuse) `weed mini` (infra/seaweed.py, state in <state>/seaweed). Returns the
-        credentials for the Dask workers, which store checkpoints and shards: a run's storage
-        block gives them to the flow's own process, not to these long-lived workers."""
+    def _ensure_s3(self) -> None:
+        """Start (or reuse) `weed mini` (infra/seaweed.py, state in <state>/seaweed). Its key
+        pair goes into the `local` storage block (`rollart deploy`); a run's flow process reads
+        it there and hands it to the workers whose stages use the store."""
         try:
             from infra import seaweed
         except ImportError:  # no local S3 in this checkout: runs store on local disk
-            return {}
+            return
         h = seaweed.ensure_running(self.state)
         write_private(self.state / "s3.pid", str(h.pid))
         self.services["s3"] = {"token": "weed", "url": h.endpoint_url, "bucket": h.bucket}
-        return {"AWS_ACCESS_KEY_ID": h.access_key, "AWS_SECRET_ACCESS_KEY": h.secret_key,
-                "AWS_DEFAULT_REGION": h.region}
 
     def _ensure_pool_and_worker(self, env: dict[str, str]) -> None:
         template = locked_job_template()  # no command / env / working_dir from a flow run

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import secrets
 import threading
@@ -51,8 +50,14 @@ class LambdaCredentials:
 
     @classmethod
     def from_env(cls, env: Any = None) -> LambdaCredentials | None:
-        env = os.environ if env is None else env
-        key, secret = env.get(LOCAL_KEY_ENV), env.get(LOCAL_SECRET_ENV)
+        """From `env`, or else what this process holds (rollart.secrets: the run's scoped
+        secrets, then the environment)."""
+        if env is None:
+            from rollart.secrets import lookup
+
+            key, secret = lookup(LOCAL_KEY_ENV), lookup(LOCAL_SECRET_ENV)
+        else:
+            key, secret = env.get(LOCAL_KEY_ENV), env.get(LOCAL_SECRET_ENV)
         return cls(key, secret) if key and secret else None
 
     def env(self) -> dict[str, str]:
@@ -281,8 +286,13 @@ def signing_credentials(endpoint_url: str | None,
     """boto3 client kwargs for the keys to sign with. A loopback endpoint is the local one: its
     own key pair (explicit, else ROLLART_LAMBDA_* from the environment), refused when there is
     none; anything else uses boto3's usual chain (environment, profile, role)."""
-    if not is_loopback(endpoint_url):
-        return {}
+    if not is_loopback(endpoint_url):  # AWS: keys held out of the environment, else the chain
+        from rollart.secrets import storage_keys
+
+        held = storage_keys()
+        return {} if held is None else {"aws_access_key_id": held[0],
+                                        "aws_secret_access_key": held[1],
+                                        "aws_session_token": held[2]}
     creds = credentials or LambdaCredentials.from_env()
     if creds is None:
         raise RewardError(f"the local Lambda endpoint {endpoint_url} requires signed requests: "

@@ -171,8 +171,15 @@ def storage_options(cfg: StorageConfig) -> dict[str, Any]:
         opts["endpoint_url"] = cfg.endpoint_url.rstrip("/")
     if cfg.profile:
         opts["profile"] = cfg.profile
+    held = None
     if cfg.credentials_block:
-        key, secret, token = _block_credentials(cfg.credentials_block)
+        held = _block_credentials(cfg.credentials_block)
+    elif not cfg.profile:  # keys this process holds out of its environment (rollart.secrets)
+        from rollart import secrets
+
+        held = secrets.storage_keys()
+    if held is not None:
+        key, secret, token = held
         opts.update(key=key, secret=secret)
         if token:
             opts["token"] = token

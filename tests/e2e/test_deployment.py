@@ -79,7 +79,13 @@ def test_stack_up_is_healthy_and_idempotent(stack):
         assert connect_existing(es, stack.info["scheduler_address"], stack.state)
         c = es.enter_context(Client(stack.info["scheduler_address"], timeout=20))
         env = c.run(lambda: __import__("os").environ.get("MALLOC_TRIM_THRESHOLD_", "unset"))
+        # no worker has a key in its environment: a run hands each class what it uses
+        # (rollart/secrets.py, tests/security/test_secret_scope.py)
+        keys = c.run(lambda: sorted(k for k in __import__("os").environ
+                                    if k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_SESSION",
+                                                     "ROLLART_LAMBDA_"))))
     assert set(env.values()) == {"unset"}, env
+    assert all(v == [] for v in keys.values()), keys
 
     # A second `up` reuses every running service.
     before = {s["name"]: s["pid"] for s in stack.info["services"]}
