@@ -349,7 +349,8 @@ def main() -> None:
     from rollart.rewards.client import LambdaCredentials
 
     tmp = Path(tempfile.mkdtemp(prefix="rollart-chaos-"))
-    server = start_server(state_dir=tmp / "prefect", port=free_port())
+    # A loaded 2-core host (other benchmarks, tests) can take over 90 s to serve Prefect.
+    server = start_server(state_dir=tmp / "prefect", port=free_port(), timeout=300)
     os.environ.update(server.client_env())
     if "prefect.context" in sys.modules:  # settings are read once, at import
         from prefect.context import refresh_global_settings_context
