@@ -322,6 +322,10 @@ def summarise(pairs: list[dict[str, Any]], command: str) -> dict[str, Any]:
         "reward_gap_is": ("clean minus chaos final greedy evaluation (eval/success_rate at the "
                           "last iteration, 8 episodes), the largest over the pairs"),
         "reward_gap_ok": gap is not None and gap <= GAP_LIMIT,
+        # Both runs of every pair never above 0 at a greedy evaluation: the gap is 0 - 0 and
+        # says nothing about learning (the config did not solve the task in the iterations).
+        "reward_gap_vacuous": all(not any(e for _, e in p[r]["eval_curve"])
+                                  for p in pairs for r in ("clean", "chaos")),
         "final_eval_gap": spread(gaps),
         "train_reward_gap": spread([p["train_reward_gap"] for p in pairs]),
         "train_reward_gap_is": (f"clean minus chaos mean reward/mean over the last "
@@ -340,7 +344,15 @@ def main() -> None:
                     help="keep the pairs of other seeds already in --out (one pair per "
                          "invocation keeps each invocation short)")
     ap.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
+    ap.add_argument("--summarise-only", action="store_true",
+                    help="run nothing: rewrite --out's summary from the pairs it holds")
     args = ap.parse_args()
+    if args.summarise_only:
+        out = Path(args.out)
+        old = json.loads(out.read_text())
+        out.write_text(json.dumps(summarise(old["pairs"], old["command"]), indent=2,
+                                  default=str) + "\n")
+        return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
