@@ -187,7 +187,9 @@ class ClusterConfig(_Strict):
     # Deadline of every call to a service on another worker (actor call: update, sync,
     # checkpoint, generate, env step, ...): past it the call raises CallTimeoutError naming the
     # service and method instead of hanging the run. Generous: a policy update of a large
-    # model is one such call. Waiting for a batch (`take_batch`) has no deadline.
+    # model is one such call. Waiting for a batch (`take_batch`) has no deadline. The trainer's
+    # update, save and load are slow, not lost, while their worker still sends heartbeats:
+    # they go on past this, up to 4x it (rollart.handles `while_alive`, BUSY_FACTOR).
     call_timeout_s: float = Field(600.0, gt=0.0)
     # A lost trainer or rollout service (its worker died or hung past call_timeout_s): the run
     # re-creates its services and resumes from the latest complete checkpoint, in the same flow

@@ -16,6 +16,12 @@ from typing import Any
 
 DEFAULT_CALL_TIMEOUT_S = 600.0  # = ClusterConfig.call_timeout_s's default
 PRESENCE_POLL_S = 5.0  # a waiting call asks whether its service's worker is still there
+# `call(..., while_alive=True)`: past its deadline, a call whose worker still sends heartbeats
+# (the scheduler's `last_seen` advanced within HEARTBEAT_WINDOW_S) is busy, not hung or lost,
+# and is waited on up to BUSY_FACTOR x its deadline in all; a stopped or hung process sends none.
+BUSY_FACTOR = 4.0
+HEARTBEAT_WINDOW_S = 10.0
+ALIVE_POLL_S = 2.0
 _call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S
 
 
@@ -38,37 +44,112 @@ def service_name(handle: Any) -> str:
     return getattr(getattr(handle, "_cls", None), "__name__", None) or type(handle).__name__
 
 
-def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "default") -> Any:
+def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "default",
+         while_alive: bool = False) -> Any:
     """A Dask actor call (returns a future) or a plain method call, uniformly. `timeout`:
     seconds, None for no deadline (a call that waits for data by design), or the process's
     deadline (`set_call_timeout`) by default. A call with a deadline also ends early, with
     `ServiceLostError`, once the service's worker has left the cluster (checked every
-    `PRESENCE_POLL_S` of waiting): a dead worker's call otherwise lasts the whole deadline."""
+    `PRESENCE_POLL_S` of waiting): a dead worker's call otherwise lasts the whole deadline.
+    `while_alive`: for a call whose duration grows with the work (a policy update), the
+    deadline is one of liveness: past it the call goes on while its worker still sends
+    heartbeats (slow, not lost), up to `BUSY_FACTOR` x the deadline; a worker that sent none
+    within `HEARTBEAT_WINDOW_S` (stopped, hung) fails it at the deadline as before."""
     out = getattr(handle, method)(*args)
     if not (hasattr(out, "result") and callable(out.result)):
         return out
     limit = _call_timeout_s if timeout == "default" else timeout
     if limit is None:
         return out.result()
-    end = time.monotonic() + limit
+    t0 = time.monotonic()
+    end = t0 + limit
+    beats = _Heartbeats(handle)
     while True:
-        left = end - time.monotonic()
+        now = time.monotonic()
+        wait = min(PRESENCE_POLL_S, end - now) if now < end else ALIVE_POLL_S
         try:
-            return out.result(timeout=max(min(PRESENCE_POLL_S, left), 0.0))
+            return out.result(timeout=max(wait, 0.0))
         except TimeoutError as err:
-            if left <= PRESENCE_POLL_S:
-                raise CallTimeoutError(
-                    f"{service_name(handle)}.{method} did not answer within {limit:g}s "
-                    "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
-            if not _worker_present(handle):
+            present = beats.read()
+            if not present:
                 raise ServiceLostError(
                     f"{service_name(handle)}.{method}: its worker {handle._address} left the "
                     "cluster while the call waited") from None
+            now = time.monotonic()
+            if now < end:
+                continue
+            if not while_alive:
+                raise CallTimeoutError(
+                    f"{service_name(handle)}.{method} did not answer within {limit:g}s "
+                    "(cluster.call_timeout_s): its worker is hung, overloaded or lost") from err
+            alive = beats.alive(now)
+            if alive is None or (alive and now - t0 < BUSY_FACTOR * limit):
+                continue  # not known yet, or busy: its worker is there and beating
+            raise CallTimeoutError(
+                f"{service_name(handle)}.{method} did not answer within {now - t0:.0f}s "
+                f"(cluster.call_timeout_s={limit:g}, "
+                + ("its worker still alive: busy past "
+                   f"{BUSY_FACTOR:g}x the deadline" if alive else
+                   f"no heartbeat from its worker for {HEARTBEAT_WINDOW_S:g}s")
+                + "): its worker is hung, overloaded or lost") from err
+
+
+class _Heartbeats:
+    """The scheduler's `last_seen` of the worker holding an actor, read when a call has waited:
+    whether that worker is still in the cluster, and whether its heartbeats still arrive."""
+
+    def __init__(self, handle: Any) -> None:
+        self.address = getattr(handle, "_address", None)
+        self.first: float | None = None  # when (monotonic) the first reading was taken
+        self.seen: float | None = None  # the last reading's last_seen
+        self.changed: float | None = None  # when a reading last differed from the one before
+
+    def read(self) -> bool:
+        """Whether the worker is (as far as the scheduler can tell) still there."""
+        if self.address is None:
+            return True
+        workers = _scheduler_workers()
+        if workers is None or not workers:  # no answer, or no worker listed: not an absence
+            return True
+        info = workers.get(self.address)
+        if info is None:
+            return False
+        now, seen = time.monotonic(), info.get("last_seen")
+        if self.first is None:
+            self.first = now
+        elif seen != self.seen:
+            self.changed = now
+        self.seen = seen
+        return True
+
+    def alive(self, now: float) -> bool | None:
+        """Heartbeats arrived within the window (True), none for the whole window (False),
+        or too few readings yet to tell (None)."""
+        if self.address is None:
+            return True
+        if self.changed is not None and now - self.changed <= HEARTBEAT_WINDOW_S:
+            return True
+        if self.first is None or now - self.first < HEARTBEAT_WINDOW_S:
+            return None
+        return False
 
 
 class ServiceLostError(OSError):
     """The worker holding a service left the cluster while a call to it was waiting (an
     `OSError`, like a closed connection: the caller treats it as a lost service)."""
+
+
+def _scheduler_workers() -> dict[str, Any] | None:
+    """The scheduler's workers (address -> identity), or None when it cannot be asked."""
+    try:
+        from distributed import get_client
+
+        # Asked of the scheduler each time: `Client.scheduler_info()` may answer from a cache
+        # (empty, or stale) without saying so.
+        client = get_client()
+        return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    except Exception:
+        return None
 
 
 def _worker_present(handle: Any) -> bool:
@@ -77,15 +158,7 @@ def _worker_present(handle: Any) -> bool:
     address = getattr(handle, "_address", None)
     if address is None:
         return True
-    try:
-        from distributed import get_client
-
-        # Asked of the scheduler each time: `Client.scheduler_info()` may answer from a cache
-        # (empty, or stale) without saying so.
-        client = get_client()
-        workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
-    except Exception:
-        return True
+    workers = _scheduler_workers()
     return not workers or address in workers  # no worker listed at all: not an answer
 
 

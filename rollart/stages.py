@@ -136,7 +136,8 @@ def update(trainer: Any, scored: Any, step: int | None = None) -> dict[str, Any]
     """The policy update `step` (the trainer refuses any other than its next one)."""
     t0 = time.perf_counter()
     dropped = scored[1].get("dropped") if isinstance(scored, tuple) else None
-    out = call(trainer, "update", trajectories_of(scored), dropped, step)
+    # Slow is not lost: past the call deadline it goes on while the trainer's worker beats.
+    out = call(trainer, "update", trajectories_of(scored), dropped, step, while_alive=True)
     out["metrics"]["perf/update_s"] = time.perf_counter() - t0
     return {**out, "caller": worker_identity()}
 
@@ -236,7 +237,7 @@ def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
                   for e in engines or []]
     state, pending = call(rollout, "snapshot") if rollout is not None else (None, [])
     return {**call(trainer, "save_checkpoint", step, meta, engine_rng or None, pending or None,
-                   state),
+                   state, while_alive=True),
             "caller": worker_identity()}
 
 
@@ -249,7 +250,7 @@ def load_checkpoint_weights(engine: Any, step: int) -> dict[str, Any]:
 def restore(trainer: Any, engines: list[Any], step: int) -> dict[str, Any]:
     """Load checkpoint `step` into the trainer (weights, optimizer, RNG, ledger) and the engines'
     sampling RNG; the caller then syncs weights so the engines serve the restored version."""
-    info = call(trainer, "load_checkpoint", step)
+    info = call(trainer, "load_checkpoint", step, while_alive=True)
     info["engine_rng_restored"] = [call(e, "restore_rng", step) for e in engines]
     return info
 

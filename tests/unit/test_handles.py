@@ -41,6 +41,58 @@ def test_a_hung_actor_call_times_out_naming_service_and_method(client):
         set_call_timeout(old)
 
 
+def test_a_slow_call_on_a_live_worker_goes_on_while_its_worker_beats(client, monkeypatch):
+    """`while_alive` (the trainer's update): past the deadline a call whose worker still sends
+    heartbeats is slow, not lost, and is answered; up to BUSY_FACTOR x the deadline, then it
+    fails naming why. The same call without `while_alive` fails at the deadline."""
+    import rollart.handles as h
+
+    monkeypatch.setattr(h, "ALIVE_POLL_S", 0.2)
+    monkeypatch.setattr(h, "HEARTBEAT_WINDOW_S", 1.5)  # worker heartbeats every 0.5 s
+    actor = client.submit(Sleeper, actor=True).result()
+    with pytest.raises(CallTimeoutError, match=r"within 0\.5s"):
+        call(actor, "nap", 2.5, timeout=0.5)
+    time.sleep(2.5)  # the actor runs one call at a time: let that nap end
+    t0 = time.monotonic()
+    assert call(actor, "nap", 1.5, timeout=0.5, while_alive=True) == 1.5  # 3x the deadline
+    assert time.monotonic() - t0 < 2.5
+    monkeypatch.setattr(h, "BUSY_FACTOR", 2.0)
+    t0 = time.monotonic()
+    with pytest.raises(CallTimeoutError, match=r"Sleeper\.nap .*its worker still alive: busy "
+                       r"past 2x the deadline"):
+        call(actor, "nap", 6.0, timeout=1.0, while_alive=True)
+    assert 2.0 <= time.monotonic() - t0 < 4.0
+    time.sleep(4.5)
+
+
+def test_a_stopped_worker_fails_a_while_alive_call_at_its_deadline(monkeypatch):
+    """A worker stopped (SIGSTOP: alive to the OS, no heartbeat) fails even a `while_alive`
+    call once no heartbeat came for HEARTBEAT_WINDOW_S: a hang, not a slow update."""
+    import os
+    import signal
+
+    import rollart.handles as h
+
+    monkeypatch.setattr(h, "ALIVE_POLL_S", 0.2)
+    monkeypatch.setattr(h, "PRESENCE_POLL_S", 0.5)
+    monkeypatch.setattr(h, "HEARTBEAT_WINDOW_S", 3.0)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      worker_dashboard_address=":0") as cluster, Client(cluster) as c:
+        actor = c.submit(Sleeper, actor=True).result()
+        assert call(actor, "nap", 0.01, while_alive=True) == 0.01
+        pid = next(iter(c.run(os.getpid).values()))
+        fut_call = None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(CallTimeoutError, match=r"no heartbeat from its worker for 3s"):
+                fut_call = call(actor, "nap", 0.01, timeout=2.0, while_alive=True)
+            assert 2.0 <= time.monotonic() - t0 < 7.0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert fut_call is None
+
+
 class SlowLoader:
     def load_checkpoint(self, seconds: float) -> float:
         time.sleep(seconds)
