@@ -33,9 +33,9 @@ import selectors
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from rollart.handles import call
@@ -70,13 +70,14 @@ class AsyncRunner:
         self._ident: int | None = None
         self._ready = threading.Event()
         self._coro: dict[tuple[type, str], bool] = {}
+        self.gc_collected = 0  # objects the scheduled collections freed (cycles: a leak)
 
     # ---- the loop ------------------------------------------------------------------------
     def start(self) -> None:
         r = self.svc.cfg.rollout
-        if r.gc_threshold is not None:  # see RolloutConfig.gc_threshold
+        if r.gc_every_s is not None:  # see RolloutConfig.gc_every_s
             gc.freeze()
-            gc.set_threshold(*r.gc_threshold)
+            gc.disable()
         if r.switch_interval_s is not None:  # see RolloutConfig.switch_interval_s
             sys.setswitchinterval(min(sys.getswitchinterval(), r.switch_interval_s))
         self.thread = self.svc._spawn(self._main, name="rollout-loop")
@@ -86,12 +87,18 @@ class AsyncRunner:
         self.in_loop(lambda: self._keep(self.loop.create_task(self._sweep())))
 
     async def _sweep(self) -> None:
-        """The watchdog's rule (RolloutService._expired) on the loop, at a coarse period."""
+        """The watchdog's rule (RolloutService._expired) on the loop, at a coarse period; and
+        the process's garbage collection every `rollout.gc_every_s`."""
         svc = self.svc
         period = min(1.0, max(0.05, svc.cfg.rollout.env_timeout_s / 20))
+        gc_every = svc.cfg.rollout.gc_every_s
+        next_gc = time.monotonic() + (gc_every or 0.0)
         while not svc.stopping:
             await asyncio.sleep(period)
             now = time.monotonic()
+            if gc_every is not None and now >= next_gc:
+                self.gc_collected += gc.collect()
+                next_gc = now + gc_every
             for live in list(svc.live.values()):  # a copy: other threads change `live`
                 if live.deadline is not None and now > live.deadline:
                     svc._expired(live)
@@ -124,12 +131,16 @@ class AsyncRunner:
         """Start these episodes: one wake-up of the loop for all of them, `slice_size` per
         loop iteration (a new batch's groups start hundreds at once; their first steps in one
         iteration would hold up every turn in flight for tens of milliseconds)."""
-        def now(start: int = 0) -> None:
-            for live in lives[start:start + slice_size]:
-                self._keep(self.loop.create_task(self.episode(live)))
-            if start + slice_size < len(lives):
-                self.loop.call_soon(now, start + slice_size)
-        self.in_loop(now)
+        self.in_loop(partial(self._launch_slice, lives, 0, slice_size))
+
+    def _launch_slice(self, lives: list[LiveEpisode], start: int, size: int) -> None:
+        # A method, not a closure that schedules itself: that closure is a reference cycle
+        # (function -> cell -> function) holding every launched episode until a full garbage
+        # collection, and the collections it forces stall the loop (see `start`).
+        for live in lives[start:start + size]:
+            self._keep(self.loop.create_task(self.episode(live)))
+        if start + size < len(lives):
+            self.loop.call_soon(self._launch_slice, lives, start + size, size)
 
     def stop(self) -> None:
         if self.thread is None:
@@ -137,6 +148,8 @@ class AsyncRunner:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5.0)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.svc.cfg.rollout.gc_every_s is not None:
+            gc.enable()  # the process (a Dask worker) goes on without the loop
 
     async def call(self, handle: Any, method: str, *args: Any) -> Any:
         """Await a coroutine method on the loop; run anything else in the pool."""
@@ -264,9 +277,7 @@ class AsyncRunner:
                 alive = [i for i, ok in enumerate(flags) if ok] or await self._wait_any(live)
                 if not alive:
                     return None
-                with svc.lock:
-                    on = Counter(x.engine for x in svc.live.values())
-                live.engine = min(alive, key=lambda i: on[i])
+                svc.move_engine(live, alive)
             try:
                 engine = svc.routing.route(live.id, live.start.task, req, new_tokens,
                                            live.engine)

@@ -100,6 +100,11 @@ class RolloutScheduler:
         self.next_update = version  # the update the next `take_batch` feeds
         self.groups: dict[str, GroupState] = {}
         self._per_task: Counter[str] = Counter()  # groups in `groups` per task, kept in step
+        # Groups in `groups` by start version, and those of them not complete yet, kept in step:
+        # the trainer polls `take_batch` every few ms, and scanning thousands of groups for
+        # stale or unfinished ones each time cost more than the rest of the service's work.
+        self._versions: Counter[int] = Counter()
+        self._open: Counter[int] = Counter()
         self.complete: list[str] = []  # complete, unconsumed group ids, in completion order
         self.episode_group: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
@@ -132,16 +137,20 @@ class RolloutScheduler:
             last = min(last, self.cfg.max_updates - 1)  # the run's last update
         return max(0, last - self.next_update + 1)
 
-    def fill(self) -> list[Start]:
+    def fill(self, max_groups: int | None = None) -> list[Start]:
         """Start new groups up to capacity under the current version, per task: each task keeps
-        its share of every batch in flight, so a slow task is never crowded out."""
+        its share of every batch in flight, so a slow task is never crowded out. At most
+        `max_groups` groups per call when given (a caller that starts a batch's worth in
+        slices calls again until fewer come back)."""
         out: list[Start] = []
         if self.halted:
             return out
         usable = self._usable_batches()
+        started = 0
         for task, quota in self.quota.items():
             have = self._per_task[task]
-            while have < usable * quota:
+            while have < usable * quota and (max_groups is None or started < max_groups):
+                started += 1
                 n = self._task_counts[task]  # this task's group index (plan order)
                 if self._namer is not None:
                     gid, seed = self._namer(task, n)
@@ -151,8 +160,7 @@ class RolloutScheduler:
                 self._next_group += 1
                 self._task_counts[task] += 1
                 g = GroupState(gid, task, seed, self.version, n // quota)
-                self.groups[gid] = g
-                self._per_task[task] += 1
+                self._add(g)
                 for _ in range(self.cfg.group_size + self.cfg.redundancy):
                     out.append(self._launch(g))
                 self.counters["groups_started"] += 1
@@ -182,10 +190,12 @@ class RolloutScheduler:
         if not g.complete(self.cfg.group_size):
             return []
         self.complete.append(g.group_id)
+        self._open[g.start_version] -= 1
         cancels = [Cancel(e, "redundant") for e in sorted(g.running)]
         self.counters["cancelled_redundant"] += len(cancels)
         for e in cancels:
             g.running.discard(e.episode_id)
+            self.episode_group.pop(e.episode_id, None)  # a late result is ignored either way
         return cancels
 
     def on_failed(self, episode_id: str, timeout: bool = False, worker_lost: bool = False
@@ -227,37 +237,57 @@ class RolloutScheduler:
         # A group that could feed no later update (begun max_staleness versions ago) is waited
         # for, not dropped: dropping it would bias batches towards groups that finish fast (in
         # FrozenLake: short episodes, i.e. failures). Measured: benchmarks/async_vs_sync.py.
-        if any(update - g.start_version >= self.cfg.max_staleness
-               and not g.complete(self.cfg.group_size) for g in self.groups.values()):
+        if any(n > 0 and update - v >= self.cfg.max_staleness for v, n in self._open.items()):
             return None
+        if len(self.complete) < sum(self.quota.values()):
+            return None  # not enough complete groups for any task split
         # Each task its share of the batch; within a task the groups begun under the oldest
         # version first (they go stale first), then completion order.
         ready = sorted(self.complete, key=lambda gid: self.groups[gid].start_version)
-        batch: list[str] = []
+        picked: set[str] = set()
         for task, n in self.quota.items():
             picks = [gid for gid in ready if self.groups[gid].task == task][:n]
             if len(picks) < n:
                 return None  # this task's share is not complete yet
-            batch += picks
-        batch = [gid for gid in ready if gid in batch]
-        self.complete = [gid for gid in ready if gid not in batch]
+            picked.update(picks)
+        batch = [gid for gid in ready if gid in picked]
+        self.complete = [gid for gid in ready if gid not in picked]
         self.counters["groups_consumed"] += len(batch)
         self.next_update = update + 1
-        for gid in batch:
-            self._per_task[self.groups[gid].task] -= 1
-        return {gid: self.groups.pop(gid).finished for gid in batch}
+        return {gid: self._remove(self.groups[gid]).finished for gid in batch}
 
     def _drop_stale(self, update: int) -> list[Cancel]:
         cancels: list[Cancel] = []
+        if not any(n > 0 and update - v > self.cfg.max_staleness
+                   for v, n in self._versions.items()):
+            return cancels  # the common case, without a scan of every group
         for g in list(self.groups.values()):
             if update - g.start_version > self.cfg.max_staleness:
                 self.counters["dropped_stale_groups"] += 1
                 cancels += self._drop(g, "stale")
         return cancels
 
+    def _add(self, g: GroupState) -> None:
+        self.groups[g.group_id] = g
+        self._per_task[g.task] += 1
+        self._versions[g.start_version] += 1
+        self._open[g.start_version] += not g.complete(self.cfg.group_size)
+
+    def _remove(self, g: GroupState) -> GroupState:
+        del self.groups[g.group_id]
+        self._per_task[g.task] -= 1
+        self._versions[g.start_version] -= 1
+        self._open[g.start_version] -= not g.complete(self.cfg.group_size)
+        for v in [v for v, n in self._versions.items() if n <= 0]:  # at most a few versions
+            del self._versions[v]
+            self._open.pop(v, None)
+        for e in (*g.finished, *g.running):  # a late event of theirs finds no group either way
+            self.episode_group.pop(e, None)
+        return g
+
     def _drop(self, g: GroupState, reason: str) -> list[Cancel]:
-        if self.groups.pop(g.group_id, None) is not None:
-            self._per_task[g.task] -= 1
+        if self.groups.get(g.group_id) is g:
+            self._remove(g)
         if g.group_id in self.complete:
             self.complete.remove(g.group_id)
         self.counters[f"dropped_{reason}_episodes"] += len(g.finished)
@@ -284,9 +314,10 @@ class RolloutScheduler:
             g = GroupState(d["group_id"], d["task"], int(d["seed"]), int(d["start_version"]),
                            int(d["iteration"]), finished=list(d["finished"]),
                            failures=int(d["failures"]), launched=int(d["launched"]))
-            if g.group_id not in self.groups:
-                self._per_task[g.task] += 1
-            self.groups[g.group_id] = g
+            old = self.groups.get(g.group_id)
+            if old is not None:
+                self._remove(old)
+            self._add(g)
             for e in g.finished:
                 self.episode_group[e] = g.group_id
             if not g.complete(self.cfg.group_size):

@@ -99,6 +99,11 @@ class RolloutService:
                                   dynamic=not lockstep and len(engines) > 1)
         self.health = EngineHealth(len(engines), r.engine_wait_timeout_s)
         self.live: dict[str, LiveEpisode] = {}
+        # live episodes per engine replica / env host, kept in step with `live` (placement
+        # reads them for every start: counting them over `live` cost O(live) per launch)
+        self.on_engine: Counter[int] = Counter()
+        self.on_host: Counter[int] = Counter()
+        self._filling = False  # asyncio: a sliced fill is under way on the loop (`_fill`)
         self.done: dict[str, Trajectory] = {}
         self.totals = _Totals()
         self._failed_reported = 0  # `failed` counter as of the last batch's metrics
@@ -157,6 +162,8 @@ class RolloutService:
             for live in self.live.values():
                 live.cancelled = True
             self.live.clear()
+            self.on_engine.clear()
+            self.on_host.clear()
         for b in self.batchers:
             b.stop()
         if self.runner is not None:
@@ -222,8 +229,31 @@ class RolloutService:
             return sum(1 for x in self.live.values() if x.engine == engine)
 
     def _fill(self) -> None:
-        if not self.stopping and self.fatal is None:
+        """Start what the scheduler admits. With the asyncio runner, on the loop in slices of
+        `FILL_SLICE` groups: a batch's worth at once (hundreds of groups after a take at
+        thousands of episodes) held every turn in flight up for milliseconds."""
+        if self.stopping or self.fatal is not None:
+            return
+        if self.runner is None:
             self._launch(self.sched.fill())
+        elif not self._filling:
+            self._filling = True
+            self.runner.in_loop(self._fill_slice)
+
+    FILL_SLICE = 8  # groups per loop iteration (asyncio runner)
+
+    def _fill_slice(self) -> None:
+        def now() -> None:
+            if self.stopping or self.fatal is not None:
+                self._filling = False
+                return
+            before = self.sched.counters["groups_started"]
+            self._launch(self.sched.fill(max_groups=self.FILL_SLICE))
+            if self.sched.counters["groups_started"] - before < self.FILL_SLICE:
+                self._filling = False  # capacity reached: the next event asks again
+            else:
+                self.runner.loop.call_soon(self._fill_slice)
+        self.runner._locked(now)
 
     def _launch(self, starts: list[Start]) -> None:
         alive = [i for i, ok in enumerate(self.hosts_alive) if ok]
@@ -233,9 +263,7 @@ class RolloutService:
             return
         if not starts:
             return
-        # Counted once per call and kept up to date (not once per start: O(live) each)
-        on_engine = Counter(x.engine for x in self.live.values())
-        on_host = Counter(x.host for x in self.live.values())
+        on_engine, on_host = self.on_engine, self.on_host
         engines = self.health.alive_indices() or range(len(self.batchers))  # else: waits
         new: list[LiveEpisode] = []
         for st in starts:
@@ -251,6 +279,23 @@ class RolloutService:
                 new.append(live)
         if new:
             self.runner.launch(new)
+
+    def _pop_live(self, episode_id: str) -> LiveEpisode | None:
+        live = self.live.pop(episode_id, None)
+        if live is not None:
+            self.on_engine[live.engine] -= 1
+            self.on_host[live.host] -= 1
+        return live
+
+    def move_engine(self, live: LiveEpisode, alive: list[int]) -> None:
+        """`live`'s replica is gone: it goes on with the alive replica with fewest episodes."""
+        with self.lock:
+            counted = self.live.get(live.id) is live
+            if counted:
+                self.on_engine[live.engine] -= 1
+            live.engine = min(alive, key=lambda i: self.on_engine[i])
+            if counted:
+                self.on_engine[live.engine] += 1
 
     def engine_lost(self, index: int, err: BaseException | str) -> None:
         """Take replica `index` out of rotation: the router fails its outstanding turns over,
@@ -278,7 +323,7 @@ class RolloutService:
     def _scored(self, live: LiveEpisode, traj: Trajectory) -> None:
         """`traj` has its reward: it joins its group (or is dropped, late)."""
         with self.lock:
-            if live.cancelled or self.live.pop(live.id, None) is None:
+            if live.cancelled or self._pop_live(live.id) is None:
                 return
             self.done[live.id] = traj
             self._cancel(self.sched.on_finished(live.id))
@@ -291,7 +336,7 @@ class RolloutService:
 
     def _failed(self, live: LiveEpisode, reason: str, timeout: bool) -> None:
         with self.lock:
-            if self.live.pop(live.id, None) is None:
+            if self._pop_live(live.id) is None:
                 return
             live.cancelled = True  # the scheduler counts it (failed / timeouts)
             self._drop(live.start, reason)
@@ -311,7 +356,7 @@ class RolloutService:
 
     def _cancel(self, cancels: list[Cancel]) -> None:
         for c in cancels:
-            live = self.live.pop(c.episode_id, None)
+            live = self._pop_live(c.episode_id)
             if live is not None:
                 live.cancelled = True
                 if c.reason != "redundant":  # the scheduler counts redundant cancels itself
@@ -382,6 +427,8 @@ class RolloutService:
         with self.lock:
             c = self.totals.counters + self.sched.counters
             c["engines_lost"] = self.health.lost_total
+            if self.runner is not None:
+                c["gc_collected"] = self.runner.gc_collected
             return {"counters": {k: v for k, v in c.items() if v}, "in_flight": len(self.live),
                     "engines_alive": list(self.health.alive),
                     "engine_events": list(self.health.events),

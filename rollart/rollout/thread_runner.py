@@ -8,7 +8,6 @@ Each live episode runs on its own Python thread, start to end; the service's eng
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Any
 
 from rollart.rollout.batcher import EpisodeCancelled, LiveEpisode
@@ -72,9 +71,7 @@ def _generate(svc: Any, live: LiveEpisode, req: GenerationRequest, new_tokens: i
         if not alive:
             return None
         if live.engine not in alive:  # its replica is gone: the least loaded alive one
-            with svc.lock:
-                on = Counter(x.engine for x in svc.live.values())
-            live.engine = min(alive, key=lambda i: on[i])
+            svc.move_engine(live, alive)
         try:
             engine = svc.routing.route(live.id, live.start.task, req, new_tokens,
                                         live.engine)

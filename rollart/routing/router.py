@@ -193,6 +193,8 @@ class Router:
 
     @staticmethod
     def _queued(rep: _Replica) -> list[tuple[float, float]]:
+        if not rep.running:  # callers that never report `on_started`
+            return list(rep.outstanding.values())
         return [v for k, v in rep.outstanding.items() if k not in rep.running]
 
     def _queued_cost(self, rep: _Replica) -> QueueCost:
@@ -203,7 +205,8 @@ class Router:
     def _running_cost(self, rep: _Replica) -> QueueCost:
         if rep.running_cost is None:
             rep.running_cost = QueueCost.of(self.cost, rep.spec.hw, [
-                v for k, v in rep.outstanding.items() if k in rep.running])
+                v for k, v in rep.outstanding.items() if k in rep.running] if rep.running
+                else ())
         return rep.running_cost
 
     def home(self, episode_id: str) -> str | None:

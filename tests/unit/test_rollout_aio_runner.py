@@ -1,0 +1,107 @@
+"""The asyncio runner's memory and pause discipline at small scale (emulated engines and env
+hosts, the real service): finished episodes are freed by reference counting alone, with the
+cycle collector off while the loop runs; placement counts stay in step with the live episodes;
+a batch's worth of groups starts in slices (the same groups as one fill)."""
+
+import gc
+import time
+import weakref
+from collections import Counter
+
+import pytest
+
+from rollart.config import load_config
+from rollart.envs import make_env
+from rollart.models.chat import ChatFormat
+from rollart.models.tokenizer import build_tokenizer
+from rollart.rewards.client import LocalRewardClient
+from rollart.rollout import service as service_mod
+from rollart.rollout.batcher import LiveEpisode
+from rollart.rollout.emulated import EmulatedEngine, EmulatedEnvHost
+from rollart.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from rollart.rollout.service import RolloutService
+from rollart.types import SamplingParams
+
+ANSWER = "<answer>right</answer>"
+
+
+@pytest.fixture(scope="module")
+def chat():
+    cfg = load_config(None, ["tasks=[{name: a, env_id: FrozenLake-v1}]"])
+    return ChatFormat(build_tokenizer(make_env(cfg.tasks[0]).corpus_texts(episodes=3), 320))
+
+
+def _service(chat) -> RolloutService:
+    cfg = load_config(None, [
+        "tasks=[{name: a, env_id: FrozenLake-v1}]", "rollout.num_groups=16",
+        "rollout.group_size=2", "rollout.max_staleness=1", "rollout.runner=asyncio",
+        "rollout.batching=continuous", "rollout.batch_wait_s=0", "engine.replicas=2",
+        "iterations=10"])
+    engines = [EmulatedEngine(0.002, 0.0, chat.encode(ANSWER), ANSWER) for _ in range(2)]
+    return RolloutService(cfg, chat, engines, [EmulatedEnvHost(0.002, 2, 3, chat=chat)],
+                          LocalRewardClient(), {"a": SamplingParams(max_new_tokens=8)})
+
+
+def test_finished_episodes_are_freed_without_the_cycle_collector(chat, monkeypatch):
+    made: dict[str, weakref.ref] = {}
+
+    class Tracked(LiveEpisode):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made[self.id] = weakref.ref(self)
+
+    monkeypatch.setattr(service_mod, "LiveEpisode", Tracked)
+    was_enabled = gc.isenabled()
+    svc = _service(chat)
+    svc.start()
+    try:
+        assert not gc.isenabled()  # rollout.gc_every_s: collections only on the sweeper's clock
+        consumed: list[str] = []
+        for u in range(2):
+            trajs, _ = svc.take_batch(u, timeout=30)
+            consumed += [t.sample_id for t in trajs]
+            svc.set_version(u + 1)
+        time.sleep(0.2)  # let the loop finish the callbacks of the last episodes
+        with svc.lock:
+            assert svc.on_engine == Counter(x.engine for x in svc.live.values())
+            assert svc.on_host == Counter(x.host for x in svc.live.values())
+            alive = [eid for eid in consumed if made[eid]() is not None]
+        # Nothing but a reference cycle can keep a consumed episode's LiveEpisode alive: the
+        # service, its batchers and the loop let go of it when its episode ends.
+        assert len(consumed) == 64 and alive == []
+    finally:
+        svc.stop()
+    assert gc.isenabled() == was_enabled
+
+
+def test_groups_started_in_slices_are_the_groups_of_one_fill():
+    cfg = SchedulerConfig(group_size=3, batch_groups=5, max_staleness=2, redundancy=1,
+                          task_shares=(("a", 2.0), ("b", 1.0)))
+    whole, sliced = RolloutScheduler(cfg), RolloutScheduler(cfg)
+    one = whole.fill()
+    parts: list = []
+    while True:
+        got = sliced.fill(max_groups=2)
+        parts += got
+        if len(got) < 2 * (cfg.group_size + cfg.redundancy):
+            break
+    assert len(one) == 15 * 4  # (0 + 2 + 1) batches x 5 groups x 4 launched
+    assert sorted(parts, key=lambda s: s.episode_id) == sorted(one, key=lambda s: s.episode_id)
+    assert sliced.fill(max_groups=2) == [] and sliced._per_task == whole._per_task
+
+
+def test_consumed_and_dropped_groups_leave_no_episode_index_behind():
+    """`episode_group` holds the episodes of the groups the scheduler still has, so a long
+    run's scheduler does not grow with every episode it ever started."""
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_staleness=0,
+                                         redundancy=1))
+    for u in range(20):
+        starts = s.fill()
+        for st in starts[:2]:
+            s.on_finished(st.episode_id)  # the third (redundant) one is cancelled
+        assert s.take_batch(u) is not None
+        s.on_version(u + 1)
+    starts = s.fill()
+    s.on_version(22)  # past the bound: the running group is dropped as stale
+    assert s.groups == {} and s.episode_group == {}
+    assert s.counters["groups_consumed"] == 20 and s.counters["dropped_stale_groups"] == 1
