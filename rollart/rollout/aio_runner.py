@@ -207,21 +207,13 @@ class AsyncRunner:
         except EpisodeCancelled:
             pass
         except NoReplicaLeft as err:  # the run cannot go on: say why
-            with svc.lock:
-                svc.fatal = svc.fatal or err
-                svc.lock.notify_all()
+            svc.set_fatal(err)
             live.cancelled = True
         except Exception as err:  # the engine's own error: costs this episode, not the replica
             ep.traj.error = f"generate: {type(err).__name__}: {err}"
             reason = "engine_error"
         await self._close(live)
-        svc.routing.episode_end(live.id, st.task, ep.traj)
-        ep.traj.timings.update(ep.timings)
-        if live.cancelled:
-            return  # already accounted for by whoever cancelled it
-        if ep.traj.error is not None:
-            svc.recent_errors.append(f"{live.id}: {ep.traj.error}")
-            self._locked(svc._failed, live, reason, False)
+        if not svc.episode_over(live, ep.traj, ep.timings, reason, self._locked):
             return
         try:
             fut = svc.reward.submit(ep.traj)
@@ -229,9 +221,7 @@ class AsyncRunner:
                 await asyncio.wrap_future(fut)
             fut.result()
         except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
-            with svc.lock:
-                svc.fatal = err
-                svc.lock.notify_all()
+            svc.set_fatal(err, keep_first=False)
             return
         self._locked(svc._scored, live, ep.traj)
 

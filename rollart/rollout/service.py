@@ -35,9 +35,10 @@ from rollart.config import RunConfig
 from rollart.models.chat import ChatFormat
 from rollart.rollout.aio_runner import AsyncBatcher, AsyncRunner
 from rollart.rollout.batcher import EngineBatcher, LiveEpisode, call
-from rollart.rollout.failover import EngineHealth, ReplicaLost
+from rollart.rollout.failover import EngineHealth
 from rollart.rollout.plan import plan_namer
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
+from rollart.rollout.service_failures import ReplicaFailures
 from rollart.rollout.service_metrics import service_metrics
 from rollart.rollout.shards import shard_namer, shard_quota
 from rollart.rollout.thread_runner import run_episode
@@ -60,7 +61,7 @@ class _Totals:
     drops: list[Drop] = field(default_factory=list)  # handed to the trainer with the next batch
 
 
-class RolloutService:
+class RolloutService(ReplicaFailures):
     def __init__(self, cfg: RunConfig, chat: ChatFormat, engines: list[Any], hosts: list[Any],
                  reward_client: Any, params: dict[str, SamplingParams], version: int = 0,
                  max_context: int = 1024, shard: tuple[int, int] = (0, 1)) -> None:
@@ -287,38 +288,26 @@ class RolloutService:
             self.on_host[live.host] -= 1
         return live
 
-    def move_engine(self, live: LiveEpisode, alive: list[int]) -> None:
-        """`live`'s replica is gone: it goes on with the alive replica with fewest episodes."""
+    def set_fatal(self, err: BaseException, keep_first: bool = True) -> None:
+        """The run cannot go on: `try_take` raises `err` (or the first fatal error)."""
         with self.lock:
-            counted = self.live.get(live.id) is live
-            if counted:
-                self.on_engine[live.engine] -= 1
-            live.engine = min(alive, key=lambda i: self.on_engine[i])
-            if counted:
-                self.on_engine[live.engine] += 1
-
-    def engine_lost(self, index: int, err: BaseException | str) -> None:
-        """Take replica `index` out of rotation: the router fails its outstanding turns over,
-        its queued turns return to their episodes, which re-issue them on the others."""
-        why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-        if not self.health.mark_lost(index, why):
-            return
-        self.routing.failed(index)
-        self.recent_errors.append(f"engine replica {index} lost: {why}")
-        self.batchers[index].fail_queued(ReplicaLost(f"engine replica {index} lost"))
-        with self.lock:
+            self.fatal = (self.fatal or err) if keep_first else err
             self.lock.notify_all()
 
-    def replace_engine(self, index: int, engine: Any) -> None:
-        """A replacement for lost replica `index` (serving the current weights) joins the
-        rotation; episodes waiting for a replica go on."""
-        self.batchers[index].engine = engine
-        self.routing.recovered(index)
-        self.health.mark_back(index)
-        self.totals.counters["engines_replaced"] += 1
-
-    def lost_engines(self) -> list[int]:
-        return self.health.lost_indices()
+    def episode_over(self, live: LiveEpisode, traj: Trajectory, timings: dict[str, float],
+                     reason: str, locked: Callable[..., None] | None = None) -> bool:
+        """The end of an episode under either runner, once its env is closed: True when
+        `traj` goes on to its reward. A failed one is recorded as `reason` (`locked` runs
+        `_failed` under the service's lock: the asyncio runner's never blocks its loop)."""
+        self.routing.episode_end(live.id, live.start.task, traj)
+        traj.timings.update(timings)
+        if live.cancelled:
+            return False  # already accounted for by whoever cancelled it
+        if traj.error is None:
+            return True
+        self.recent_errors.append(f"{live.id}: {traj.error}")
+        (locked or (lambda fn, *args: fn(*args)))(self._failed, live, reason, False)
+        return False
 
     def _scored(self, live: LiveEpisode, traj: Trajectory) -> None:
         """`traj` has its reward: it joins its group (or is dropped, late)."""
@@ -373,51 +362,6 @@ class RolloutService:
             self._launched.pop(eid, None)
             self.totals.drops.append((eid, traj.iteration if traj else -1, reason))
         self.sched.discarded.clear()
-
-    def host_lost(self, index: int) -> None:
-        """Route around a lost host; its episodes fail now (and are re-issued elsewhere)."""
-        with self.lock:
-            if not self.hosts_alive[index]:
-                return
-            self.hosts_alive[index] = False
-            self.totals.counters["hosts_lost"] += 1
-            self.host_events.append({"host": index, "event": "lost", "t": time.time()})
-            self.recent_errors.append(f"env host {index} lost")
-            stranded = [x for x in self.live.values() if x.host == index]
-        for live in stranded:
-            self._failed(live, "host_lost", timeout=False)
-
-    def _probe(self, index: int) -> None:
-        """After a timeout: is the host itself still there? (A call to an actor whose worker
-        died can hang instead of raising, so a short liveness call decides.)"""
-        try:
-            out = self.hosts[index].stats()
-            if hasattr(out, "result"):
-                out.result(timeout=min(5.0, self.cfg.rollout.env_timeout_s))
-        except Exception:
-            self.host_lost(index)
-        finally:
-            self._probing.discard(index)
-
-    def _watch(self) -> None:
-        while not self.stopping:
-            time.sleep(0.05)
-            now = time.monotonic()
-            for live in list(self.live.values()):
-                if live.deadline is not None and now > live.deadline:
-                    self._expired(live)
-
-    def _expired(self, live: LiveEpisode) -> None:
-        """An env call of `live` ran past `rollout.env_timeout_s`: the episode fails (and is
-        re-issued); a probe asks whether its host is still there."""
-        if live.cancelled:
-            return
-        self.recent_errors.append(f"{live.id}: env call past rollout.env_timeout_s "
-                                  f"({self.cfg.rollout.env_timeout_s} s)")
-        self._failed(live, "timeout", timeout=True)
-        if live.host not in self._probing and self.hosts_alive[live.host]:
-            self._probing.add(live.host)
-            self._spawn(self._probe, live.host, name="rollout-probe")
 
     # ---- metrics -------------------------------------------------------------------------
     def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:

@@ -42,23 +42,14 @@ def run_episode(svc: Any, live: LiveEpisode) -> None:
     except EpisodeCancelled:
         pass
     except NoReplicaLeft as err:  # the run cannot go on: say why
-        with svc.lock:
-            svc.fatal = svc.fatal or err
-            svc.lock.notify_all()
+        svc.set_fatal(err)
         live.cancelled = True
     except Exception as err:  # the engine's own error: costs this episode, not the replica
         ep.traj.error = f"generate: {type(err).__name__}: {err}"
         reason = "engine_error"
     env.close()
-    svc.routing.episode_end(live.id, st.task, ep.traj)
-    ep.traj.timings.update(ep.timings)
-    if live.cancelled:
-        return  # already accounted for by whoever cancelled it
-    if ep.traj.error is None:
+    if svc.episode_over(live, ep.traj, ep.timings, reason):
         _score(svc, live, ep.traj)
-    else:
-        svc.recent_errors.append(f"{live.id}: {ep.traj.error}")
-        svc._failed(live, reason, timeout=False)
 
 def _generate(svc: Any, live: LiveEpisode, req: GenerationRequest, new_tokens: int
               ) -> Completion | None:
@@ -93,9 +84,7 @@ def _score(svc: Any, live: LiveEpisode, traj: Trajectory) -> None:
     try:
         svc.reward.submit(traj).result()
     except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
-        with svc.lock:
-            svc.fatal = err
-            svc.lock.notify_all()
+        svc.set_fatal(err, keep_first=False)
         return
     svc._scored(live, traj)
 

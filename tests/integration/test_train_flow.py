@@ -64,6 +64,40 @@ def test_flow_two_iterations_on_hardware_class_workers(prefect_api, tmp_path):
     assert len(store.read_shards(0)) == 8
 
 
+
+def test_flow_with_the_asyncio_runner_over_dask_actors(prefect_api, tmp_path):
+    """`rollout.runner: asyncio` in a real run: episodes as tasks on the rollout service's
+    loop, the engine replicas and env host Dask actors called through its thread pool, turns
+    routed per turn across two replicas, one batch kept running while the update trains."""
+    from flows.train import train
+    from rollart.config import load_config
+    from rollart.storage.checkpointing import audit_ledger
+    from rollart.storage.ledger import SampleLedger
+    from rollart.storage.store import RunStore
+
+    overrides = [
+        "iterations=3", "rollout.num_groups=2", "rollout.group_size=4", "eval.episodes=0",
+        "storage.save_every=3", f"storage.root={tmp_path}", "tasks.0.max_turns=3",
+        "rollout.runner=asyncio", "rollout.batching=continuous", "rollout.max_staleness=1",
+        "engine.replicas=2", "reward.backend=local",
+    ]
+    out = train(config="configs/default.yaml", overrides=overrides, run_id="aio")
+    store = RunStore(str(tmp_path), "aio")
+    assert store.latest_checkpoint() == 3
+    files, manifest = store.load_checkpoint(3, only=["ledger.json"])
+    ledger = SampleLedger.from_json(files["ledger.json"])
+    audit = audit_ledger(ledger, load_config("configs/default.yaml", overrides), 3)
+    assert audit.ok and manifest["ledger"]["ok"], audit.as_dict()
+    assert len(ledger.ids("consumed")) == 3 * 8 == len(set(ledger.ids("consumed")))
+    rows = store.read_jsonl("metrics.jsonl")
+    assert len(rows) == 3
+    # Turns were placed by the affinity router (continuous batching, two replicas).
+    placed = {k: v for k, v in rows[-1].items() if k.startswith("rollout/router/")
+              and "/turns_on/" in k}
+    assert sum(placed.values()) > 0, rows[-1]
+    assert out["fingerprints"]["engine"] == pytest.approx(out["fingerprints"]["trainer"])
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

@@ -1,0 +1,112 @@
+"""Lost engine replicas and env hosts, as the rollout service handles them (a mixin of
+RolloutService, rollart/rollout/service.py): which replica an orphaned episode moves to, a
+replica taken out of rotation and put back, a host routed around, and the env-timeout watchdog
+that fails a hung env call (a hung env costs one episode) and probes its host."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rollart.rollout.batcher import LiveEpisode
+from rollart.rollout.failover import ReplicaLost
+
+
+class ReplicaFailures:
+    """Expects RolloutService's attributes (lock, live, on_engine, health, routing, batchers,
+    hosts, hosts_alive, totals, recent_errors, cfg) and its `_failed` / `_spawn`."""
+
+    lock: Any
+    live: dict[str, LiveEpisode]
+    on_engine: Any
+    health: Any
+    routing: Any
+    batchers: list[Any]
+    hosts: list[Any]
+    hosts_alive: list[bool]
+    host_events: list[dict[str, Any]]
+    totals: Any
+    recent_errors: Any
+    cfg: Any
+    stopping: bool
+    _probing: set[int]
+    _failed: Any
+    _spawn: Any
+
+    def move_engine(self, live: LiveEpisode, alive: list[int]) -> None:
+        """`live`'s replica is gone: it goes on with the alive replica with fewest episodes."""
+        with self.lock:
+            counted = self.live.get(live.id) is live
+            if counted:
+                self.on_engine[live.engine] -= 1
+            live.engine = min(alive, key=lambda i: self.on_engine[i])
+            if counted:
+                self.on_engine[live.engine] += 1
+
+    def engine_lost(self, index: int, err: BaseException | str) -> None:
+        """Take replica `index` out of rotation: the router fails its outstanding turns over,
+        its queued turns return to their episodes, which re-issue them on the others."""
+        why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        if not self.health.mark_lost(index, why):
+            return
+        self.routing.failed(index)
+        self.recent_errors.append(f"engine replica {index} lost: {why}")
+        self.batchers[index].fail_queued(ReplicaLost(f"engine replica {index} lost"))
+        with self.lock:
+            self.lock.notify_all()
+
+    def replace_engine(self, index: int, engine: Any) -> None:
+        """A replacement for lost replica `index` (serving the current weights) joins the
+        rotation; episodes waiting for a replica go on."""
+        self.batchers[index].engine = engine
+        self.routing.recovered(index)
+        self.health.mark_back(index)
+        self.totals.counters["engines_replaced"] += 1
+
+    def lost_engines(self) -> list[int]:
+        return self.health.lost_indices()
+
+    def host_lost(self, index: int) -> None:
+        """Route around a lost host; its episodes fail now (and are re-issued elsewhere)."""
+        with self.lock:
+            if not self.hosts_alive[index]:
+                return
+            self.hosts_alive[index] = False
+            self.totals.counters["hosts_lost"] += 1
+            self.host_events.append({"host": index, "event": "lost", "t": time.time()})
+            self.recent_errors.append(f"env host {index} lost")
+            stranded = [x for x in self.live.values() if x.host == index]
+        for live in stranded:
+            self._failed(live, "host_lost", timeout=False)
+
+    def _probe(self, index: int) -> None:
+        """After a timeout: is the host itself still there? (A call to an actor whose worker
+        died can hang instead of raising, so a short liveness call decides.)"""
+        try:
+            out = self.hosts[index].stats()
+            if hasattr(out, "result"):
+                out.result(timeout=min(5.0, self.cfg.rollout.env_timeout_s))
+        except Exception:
+            self.host_lost(index)
+        finally:
+            self._probing.discard(index)
+
+    def _watch(self) -> None:
+        while not self.stopping:
+            time.sleep(0.05)
+            now = time.monotonic()
+            for live in list(self.live.values()):
+                if live.deadline is not None and now > live.deadline:
+                    self._expired(live)
+
+    def _expired(self, live: LiveEpisode) -> None:
+        """An env call of `live` ran past `rollout.env_timeout_s`: the episode fails (and is
+        re-issued); a probe asks whether its host is still there."""
+        if live.cancelled:
+            return
+        self.recent_errors.append(f"{live.id}: env call past rollout.env_timeout_s "
+                                  f"({self.cfg.rollout.env_timeout_s} s)")
+        self._failed(live, "timeout", timeout=True)
+        if live.host not in self._probing and self.hosts_alive[live.host]:
+            self._probing.add(live.host)
+            self._spawn(self._probe, live.host, name="rollout-probe")
