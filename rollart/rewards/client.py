@@ -25,6 +25,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rollart.rewards.registry import get_handler
 from rollart.types import Trajectory
 
+# Retry jitter draws from its own generator: the run's global `random` state is checkpointed
+# (rng.json), and a retry that happened in one run and not in its resumed twin made them differ.
+_JITTER = random.Random()
+
 if TYPE_CHECKING:
     from rollart.config import RewardConfig
 
@@ -161,7 +165,7 @@ class LambdaRewardClient:
     def _backoff(self, attempt: int) -> float:
         """Equal jitter: half the exponential step is fixed (progress), half random (spread)."""
         step = min(self.backoff_max_s, self.backoff_base_s * (2 ** min(attempt, 30)))
-        return step / 2 + random.uniform(0.0, step / 2)
+        return step / 2 + _JITTER.uniform(0.0, step / 2)
 
     def invoke(self, event: dict[str, Any]) -> dict[str, Any]:
         """One event -> the handler's result dict, applying the retry and error policies."""

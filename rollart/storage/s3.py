@@ -19,6 +19,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+# Retry jitter draws from its own generator: the run's global `random` state is checkpointed
+# (rng.json), and a retry that happened in one run and not in its resumed twin made them differ.
+_JITTER = random.Random()
+
 if TYPE_CHECKING:
     from rollart.config import StorageConfig
 
@@ -94,7 +98,7 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float = 120.0,
             if not is_transient(err):
                 raise
             attempt += 1
-            wait = min(max_s, base_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+            wait = min(max_s, base_s * 2 ** (attempt - 1)) * (0.5 + _JITTER.random() / 2)
             if time.monotonic() + wait > deadline:
                 raise StorageError(
                     f"storage: {what} still failing after {attempt} attempts over "
