@@ -180,11 +180,11 @@ class RolloutConfig(_Strict):
     runner: Literal["threads", "asyncio"] = "threads"
     # asyncio runner only: seconds between the process's garbage collections while the loop
     # runs; automatic collection is off (after a gc.freeze() of everything allocated before).
-    # At thousands of live episodes the young generation holds ~200k in-flight coroutines,
-    # futures and turns, so even a generation-0 collection stalled the loop for ~0.2 s, and
-    # the episode path creates no reference cycles (none found after a 25 s run at 4,096
-    # episodes: benchmarks/rollout_scale.py), so a rare collection only guards against leaks
-    # from error paths. None leaves the process's collector alone.
+    # At thousands of live episodes the young generation holds the in-flight coroutines,
+    # futures and turns of every episode, so even generation-0 collections stalled the loop
+    # (benchmarks/rollout_scale.py: p99 306 ms at 4,096 episodes before, 13-15 ms after); the
+    # episode path makes no reference cycles (tests/unit/test_rollout_aio_runner.py), so a rare
+    # collection only guards against leaks from error paths. None leaves the collector alone.
     gc_every_s: float | None = Field(300.0, gt=0.0)
     # asyncio runner only: the process's GIL switch interval at most this (Python's default is
     # 5 ms: a thread of the trainer's side computing a batch's metrics holds the loop up that
