@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from typing import NamedTuple
 
 from rollart.types import Trajectory
 
@@ -12,38 +13,60 @@ def _mean(xs: list[float]) -> float:
     return float(statistics.fmean(xs)) if xs else 0.0
 
 
-def rollout_metrics(trajs: list[Trajectory], prefix: str = "rollout") -> dict[str, float]:
-    ok = [t for t in trajs if t.error is None]
-    turns = [t.num_turns for t in ok]
-    model_tokens = sum(t.num_model_tokens for t in ok)
+class TrajStats(NamedTuple):
+    """What `rollout_metrics` reads of one trajectory: computed once per episode where it ends
+    (the rollout service, on its loop), so taking a batch of thousands of episodes does not walk
+    every token of every trajectory on the trainer's side (milliseconds under the GIL that held
+    every turn in flight up)."""
+
+    ok: bool
+    success: bool
+    env_return: float
+    turns: int
+    no_action_turns: int
+    format_errors: int
+    model_tokens: int
+    total_tokens: int
+    task: str
+
+
+def traj_stats(t: Trajectory) -> TrajStats:
+    return TrajStats(t.error is None, t.success, t.env_return, t.num_turns,
+                     sum(u.action is None for u in t.turns), t.format_errors,
+                     t.num_model_tokens, len(t.token_ids), t.task)
+
+
+def rollout_metrics(trajs: list[Trajectory], prefix: str = "rollout",
+                    stats: list[TrajStats] | None = None) -> dict[str, float]:
+    """`stats`: `traj_stats` of each of `trajs` where the caller has them already."""
+    every = stats if stats is not None else [traj_stats(t) for t in trajs]
+    ok = [s for s in every if s.ok]
+    turns = sum(s.turns for s in ok)
+    model_tokens = sum(s.model_tokens for s in ok)
     out = {
-        f"{prefix}/episodes": float(len(trajs)),
-        f"{prefix}/failed": float(len(trajs) - len(ok)),
-        f"{prefix}/success_rate": _mean([float(t.success) for t in ok]),
-        f"{prefix}/env_return": _mean([t.env_return for t in ok]),
-        f"{prefix}/episode_len": _mean([float(x) for x in turns]),
+        f"{prefix}/episodes": float(len(every)),
+        f"{prefix}/failed": float(len(every) - len(ok)),
+        f"{prefix}/success_rate": _mean([float(s.success) for s in ok]),
+        f"{prefix}/env_return": _mean([s.env_return for s in ok]),
+        f"{prefix}/episode_len": _mean([float(s.turns) for s in ok]),
         # turns whose response gave the env no action at all (a no-op turn): the failure
-        f"{prefix}/no_action_rate": (
-            sum(u.action is None for t in ok for u in t.turns) / max(sum(turns), 1)
-        ),
+        f"{prefix}/no_action_rate": sum(s.no_action_turns for s in ok) / max(turns, 1),
         # turns not in the strict `<answer>X</answer>` format; with `parser: lenient` a bare
         # action word still acts, so this may sit near 1.0 while the policy succeeds
-        f"{prefix}/format_error_rate": (
-            sum(t.format_errors for t in ok) / max(sum(turns), 1)
-        ),
+        f"{prefix}/format_error_rate": sum(s.format_errors for s in ok) / max(turns, 1),
         f"{prefix}/model_tokens": float(model_tokens),
-        f"{prefix}/total_tokens": float(sum(len(t.token_ids) for t in ok)),
-        f"{prefix}/response_len": model_tokens / max(sum(turns), 1),
+        f"{prefix}/total_tokens": float(sum(s.total_tokens for s in ok)),
+        f"{prefix}/response_len": model_tokens / max(turns, 1),
     }
-    tasks = sorted({t.task for t in ok})
+    tasks = sorted({s.task for s in ok})
     if len(tasks) > 1:
-        by_task: dict[str, list[Trajectory]] = defaultdict(list)
-        for t in ok:
-            by_task[t.task].append(t)
-        for name, ts in by_task.items():
-            out[f"{prefix}/{name}/success_rate"] = _mean([float(t.success) for t in ts])
-            out[f"{prefix}/{name}/env_return"] = _mean([t.env_return for t in ts])
-            out[f"{prefix}/{name}/episodes"] = float(len(ts))  # its share of the batch
+        by_task: dict[str, list[TrajStats]] = defaultdict(list)
+        for s in ok:
+            by_task[s.task].append(s)
+        for name, ss in by_task.items():
+            out[f"{prefix}/{name}/success_rate"] = _mean([float(s.success) for s in ss])
+            out[f"{prefix}/{name}/env_return"] = _mean([s.env_return for s in ss])
+            out[f"{prefix}/{name}/episodes"] = float(len(ss))  # its share of the batch
     return out
 
 

@@ -86,6 +86,8 @@ class AsyncRunner:
             self.in_loop(lambda b=b: self._keep(self.loop.create_task(b.run())))
         self.in_loop(lambda: self._keep(self.loop.create_task(self._sweep())))
 
+    SWEEP_SLICE = 256  # live episodes checked per loop iteration
+
     async def _sweep(self) -> None:
         """The watchdog's rule (RolloutService._expired) on the loop, at a coarse period; and
         the process's garbage collection every `rollout.gc_every_s`."""
@@ -99,9 +101,14 @@ class AsyncRunner:
             if gc_every is not None and now >= next_gc:
                 self.gc_collected += gc.collect()
                 next_gc = now + gc_every
-            for live in list(svc.live.values()):  # a copy: other threads change `live`
-                if live.deadline is not None and now > live.deadline:
-                    svc._expired(live)
+            lives = list(svc.live.values())  # a copy: other threads change `live`
+            for i in range(0, len(lives), self.SWEEP_SLICE):
+                if i:  # thousands of episodes: let the turns in flight go between slices
+                    await asyncio.sleep(0)
+                    now = time.monotonic()
+                for live in lives[i:i + self.SWEEP_SLICE]:
+                    if live.deadline is not None and now > live.deadline:
+                        svc._expired(live)
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any
 
 from rollart.config import RunConfig
+from rollart.metrics import TrajStats, traj_stats
 from rollart.models.chat import ChatFormat
 from rollart.rollout.aio_runner import AsyncBatcher, AsyncRunner
 from rollart.rollout.batcher import EngineBatcher, LiveEpisode, call
@@ -106,6 +107,7 @@ class RolloutService(ReplicaFailures):
         self.on_host: Counter[int] = Counter()
         self._filling = False  # asyncio: a sliced fill is under way on the loop (`_fill`)
         self.done: dict[str, Trajectory] = {}
+        self.done_stats: dict[str, TrajStats] = {}  # of `done`: the batch metrics' inputs
         self.totals = _Totals()
         self._failed_reported = 0  # `failed` counter as of the last batch's metrics
         self.lock = threading.Condition()
@@ -195,13 +197,15 @@ class RolloutService(ReplicaFailures):
             kept = sorted((e for members in batch.values() for e in members),
                           key=self._launched.pop)
             trajs = [self.done.pop(e) for e in kept]
+            stats = [self.done_stats.pop(e, None) or traj_stats(t)  # restored: not computed
+                     for e, t in zip(kept, trajs, strict=True)]
             drops, self.totals.drops = self.totals.drops, []
             metrics: dict[str, float] = {}
             out = trajs, {"dropped": drops, "metrics": metrics}
             self._taken = (update, out)
         # Outside the lock: a batch's statistics take milliseconds at thousands of episodes,
         # and the episodes that finish meanwhile need the lock.
-        metrics.update(self._metrics(trajs))
+        metrics.update(service_metrics(self, trajs, stats))
         return out
 
     def take_batch(self, update: int, timeout: float | None = None
@@ -315,10 +319,12 @@ class RolloutService(ReplicaFailures):
             if live.cancelled or self._pop_live(live.id) is None:
                 return
             self.done[live.id] = traj
+            self.done_stats[live.id] = traj_stats(traj)
             self._cancel(self.sched.on_finished(live.id))
             group = self.sched.groups.get(live.start.group_id)
             if group is None or live.id not in group.finished:  # its group went away meanwhile
                 self.done.pop(live.id)
+                self.done_stats.pop(live.id)
                 self._drop(live.start, "late")
             self.lock.notify_all()
             self._fill()
@@ -359,6 +365,7 @@ class RolloutService(ReplicaFailures):
     def _record_discarded(self) -> None:
         for eid, reason in self.sched.discarded:
             traj = self.done.pop(eid, None)
+            self.done_stats.pop(eid, None)
             self._launched.pop(eid, None)
             self.totals.drops.append((eid, traj.iteration if traj else -1, reason))
         self.sched.discarded.clear()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollart.metrics import rollout_metrics
+from rollart.metrics import TrajStats, rollout_metrics
 from rollart.types import Trajectory
 
 
-def service_metrics(svc: Any, trajs: list[Trajectory]) -> dict[str, float]:
+def service_metrics(svc: Any, trajs: list[Trajectory], stats: list[TrajStats] | None = None
+                    ) -> dict[str, float]:
     """Metrics of a batch `trajs` taken from RolloutService `svc` (its counters since the
-    start; `rollout/failed` since the previous batch)."""
-    m = rollout_metrics(trajs)
+    start; `rollout/failed` since the previous batch); `stats`: their `traj_stats`."""
+    m = rollout_metrics(trajs, stats=stats)
     c = svc.totals.counters + svc.sched.counters
     for key in ("timeouts", "retried", "cancelled_redundant", "cancelled_stale",
                 "cancelled_group_dropped", "groups_dropped_failures", "dropped_stale_groups",

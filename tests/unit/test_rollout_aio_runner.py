@@ -65,6 +65,7 @@ def test_finished_episodes_are_freed_without_the_cycle_collector(chat, monkeypat
         with svc.lock:
             assert svc.on_engine == Counter(x.engine for x in svc.live.values())
             assert svc.on_host == Counter(x.host for x in svc.live.values())
+            assert svc.done_stats.keys() == svc.done.keys()  # a batch's metric inputs go with it
             alive = [eid for eid in consumed if made[eid]() is not None]
         # Nothing but a reference cycle can keep a consumed episode's LiveEpisode alive: the
         # service, its batchers and the loop let go of it when its episode ends.

@@ -1,0 +1,51 @@
+"""rollout_metrics against hand-computed values, and the per-episode stats path the rollout
+service takes (TrajStats computed when an episode ends) against the plain one."""
+
+from rollart.metrics import rollout_metrics, traj_stats
+from rollart.types import Trajectory, Turn
+
+
+def _turn(i: int, action: str | None) -> Turn:
+    return Turn(i, "obs", "resp", action, action is not None, 0.0, 3, 2, 0, 0.1, 0.1)
+
+
+def _traj(name: str, task: str, turns: list[str | None], mask: list[int], *, success=False,
+          ret=0.0, fmt=0, error=None) -> Trajectory:
+    return Trajectory(name, task, "env", "g", 0, 0, list(range(len(mask))), mask,
+                      [0.0] * len(mask), [0] * len(mask),
+                      turns=[_turn(i, a) for i, a in enumerate(turns)], env_return=ret,
+                      success=success, format_errors=fmt, error=error)
+
+
+def batch() -> list[Trajectory]:
+    return [
+        # 2 turns, one without an action; 3 model tokens of 6; solved
+        _traj("a", "t1", ["left", None], [0, 0, 1, 1, 0, 1], success=True, ret=1.0, fmt=1),
+        # 3 turns, all acting; 2 model tokens of 4
+        _traj("b", "t2", ["up", "up", "down"], [0, 1, 0, 1], ret=-0.5),
+        # failed: counted as failed, left out of every rate and sum
+        _traj("c", "t1", ["up"], [0, 1, 1, 1, 1], success=True, ret=9.0, error="env: boom"),
+    ]
+
+
+def test_rollout_metrics_hand_computed():
+    m = rollout_metrics(batch())
+    assert m["rollout/episodes"] == 3.0
+    assert m["rollout/failed"] == 1.0
+    assert m["rollout/success_rate"] == 0.5  # a solved, b not; c failed
+    assert m["rollout/env_return"] == 0.25  # (1.0 - 0.5) / 2
+    assert m["rollout/episode_len"] == 2.5  # (2 + 3) / 2
+    assert m["rollout/no_action_rate"] == 1 / 5  # one of 5 turns
+    assert m["rollout/format_error_rate"] == 1 / 5
+    assert m["rollout/model_tokens"] == 5.0  # 3 + 2
+    assert m["rollout/total_tokens"] == 10.0  # 6 + 4
+    assert m["rollout/response_len"] == 1.0  # 5 model tokens over 5 turns
+    assert m["rollout/t1/success_rate"] == 1.0 and m["rollout/t1/episodes"] == 1.0
+    assert m["rollout/t2/env_return"] == -0.5
+
+
+def test_precomputed_stats_give_the_same_metrics():
+    trajs = batch()
+    stats = [traj_stats(t) for t in trajs]
+    assert rollout_metrics(trajs, stats=stats) == rollout_metrics(trajs)
+    assert rollout_metrics([], stats=[])["rollout/episodes"] == 0.0
