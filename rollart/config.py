@@ -190,6 +190,10 @@ class RolloutConfig(_Strict):
     # 5 ms: a thread of the trainer's side computing a batch's metrics holds the loop up that
     # long per switch); None leaves it alone.
     switch_interval_s: float | None = Field(0.0005, gt=0.0)
+    # Rollout service shards (rollart/rollout/shards.py): each owns a partition of every batch's
+    # groups and routes its turns to every engine replica; on a Dask cluster shard k runs on
+    # env-class worker k mod (env workers), so shards pay only on separate workers (processes).
+    shards: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _group(self) -> RolloutConfig:
@@ -197,6 +201,10 @@ class RolloutConfig(_Strict):
             raise ValueError(
                 "group_size must be >= 2: group-normalised advantages are all zero for groups of 1"
             )
+        if self.shards > self.num_groups:
+            raise ValueError(
+                f"rollout.shards={self.shards} but rollout.num_groups={self.num_groups}: every "
+                "shard owns at least one group of each batch; lower shards or raise num_groups")
         return self
 
 

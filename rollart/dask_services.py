@@ -5,7 +5,8 @@
     engines        one replica per entry of `cluster.engine_pools` (default: `engine.replicas`
                    on the `engine` class), each on its class
     env hosts      one actor per worker of the `env` class: losing one costs only its episodes
-    rollout        the rollout service, on the first env worker
+    rollout        the rollout service, on the first env worker; with `rollout.shards` n,
+                   n actors spread over the env workers behind a ShardedRollout
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rollart.config import RunConfig
 from rollart.driver import Placement
 from rollart.handles import call
 from rollart.rollout.env_host import EnvHostService
+from rollart.rollout.shards import ShardedRollout
 from rollart.run import RunSpec
 from rollart.services import EngineService, RolloutServiceActor, TrainerService
 from rollart.storage.background import flush_all
@@ -129,16 +131,28 @@ class DaskServices:
                             key=f"env-host-{self.run.run_id}-{self.attempt}-{i}")
                 for i, addr in enumerate(workers)]
 
-    def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Actor:
+    def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Any:
+        """The rollout service as an actor, or with `rollout.shards` n > 1 a ShardedRollout of
+        n actors, shard k on env worker k mod (env workers)."""
         # The rollout service reaches hosts by (key, address), not as task dependencies: a lost
         # env worker must not take the service's own actor down with it. It lives with the first
-        # env host; losing that worker ends the run (resume from the last checkpoint).
+        # env host(s); losing that worker ends the run (resume from the last checkpoint).
         refs = [(h.key, self.placed("env_host", call(h, "stats"))["address"]) for h in hosts]
-        return self.client.submit(
-            RolloutServiceActor, self.run, [self.engine_ref(e) for e in engines], refs, version,
-            actor=True, workers=[self.classes[self.roles["env"]][0]],
-            key=f"rollout-{self.run.run_id}-{self.attempt}",
-        ).result()
+        engine_refs = [self.engine_ref(e) for e in engines]
+        n, workers = self.run.cfg.rollout.shards, self.classes[self.roles["env"]]
+        if n == 1:
+            return self.client.submit(
+                RolloutServiceActor, self.run, engine_refs, refs, version, actor=True,
+                workers=[workers[0]], key=f"rollout-{self.run.run_id}-{self.attempt}",
+            ).result()
+        futures = [self.client.submit(
+            RolloutServiceActor, self.run, engine_refs, refs, version, (k, n), actor=True,
+            workers=[workers[k % len(workers)]],
+            key=f"rollout-{self.run.run_id}-{self.attempt}-s{k}") for k in range(n)]
+        shards = [f.result() for f in futures]
+        for s in shards:
+            self.placed("rollout_shard", call(s, "where"))
+        return ShardedRollout(shards)
 
     def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = []

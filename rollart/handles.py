@@ -196,6 +196,8 @@ def detach(value: Any) -> Any:
     """`value` with every Actor (also inside lists and tuples) replaced by its ActorRef."""
     if isinstance(value, (list, tuple)):
         return type(value)(detach(v) for v in value)
+    if callable(remap := getattr(value, "map_handles", None)):  # a handle of handles
+        return remap(detach)
     cls = getattr(value, "_cls", None)
     if cls is not None and hasattr(value, "_address") and hasattr(value, "key"):
         return ActorRef(cls, value._address, value.key)
@@ -206,6 +208,8 @@ def attach(value: Any) -> Any:
     """The inverse of `detach`, where the value is used (on a worker)."""
     if isinstance(value, (list, tuple)):
         return type(value)(attach(v) for v in value)
+    if callable(remap := getattr(value, "map_handles", None)):
+        return remap(attach)
     if isinstance(value, ActorRef):
         from distributed.actor import Actor
 
@@ -218,6 +222,9 @@ def release(handle: Any) -> None:
     While a client holds an actor's future, the scheduler re-runs the actor's creation on
     another worker when the actor's worker dies: a second, unused service. A lost service
     that has been replaced, or the old services of a restarted run, are released instead."""
+    if callable(remap := getattr(handle, "map_handles", None)):
+        remap(release)
+        return
     fut = getattr(handle, "_future", None)
     if fut is not None and callable(getattr(fut, "release", None)):
         try:

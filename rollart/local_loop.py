@@ -14,6 +14,7 @@ from rollart.driver import InProcessRunner, IterationDriver, IterationResult
 from rollart.metrics import summary_row
 from rollart.rollout.env_host import EnvHost
 from rollart.rollout.setup import build_rollout_service
+from rollart.rollout.shards import ShardedRollout
 from rollart.run import RunSpec
 from rollart.services import EngineService, TrainerService
 from rollart.storage.background import flush_all
@@ -40,7 +41,11 @@ class LocalServices:
         return [EnvHost(self.run.cfg.tasks)]
 
     def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Any:
-        return build_rollout_service(self.run, engines, hosts, version)
+        n = self.run.cfg.rollout.shards  # in one process the shards share its GIL: for tests
+        if n == 1:
+            return build_rollout_service(self.run, engines, hosts, version)
+        return ShardedRollout([build_rollout_service(self.run, engines, hosts, version, (k, n))
+                               for k in range(n)])
 
     def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]:
         return [h.stats() for h in hosts]

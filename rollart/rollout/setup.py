@@ -22,11 +22,11 @@ def sampling_params(cfg: RunConfig, greedy: bool = False) -> SamplingParams:
 
 
 def build_rollout_service(run: RunSpec, engines: list[Any], hosts: list[Any],
-                          version: int = 0) -> RolloutService:
-    """The run's rollout service (not started)."""
+                          version: int = 0, shard: tuple[int, int] = (0, 1)) -> RolloutService:
+    """The run's rollout service, or shard k of n of it (`shard` (k, n)); not started."""
     set_call_timeout(run.cfg.cluster.call_timeout_s)  # its calls to engines and env hosts
     chat = chat_format(run)
     return RolloutService(run.cfg, chat, engines, hosts, make_reward_client(run.cfg.reward),
                           constrained_params(sampling_params(run.cfg), chat, run.cfg.tasks,
                                              run.cfg.engine.answer_grammar),
-                          version, run.max_context)
+                          version, run.max_context, shard=shard)

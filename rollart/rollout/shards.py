@@ -17,12 +17,16 @@ scheduler's rules hold per group, unchanged:
 
 Each shard talks to every engine replica through its own router (its own view of the replicas'
 load: the turns of the other shards reach a replica's queue but not this router's estimate).
-`ShardedRollout` is the trainer's side: `take_batch(u)` gathers each shard's part of update u
-(holding the parts that are ready until all are), and `set_version` reaches every shard.
+`ShardedRollout` is the trainer's side, with the rollout service's interface (the driver, the
+stages and the engine supervisor use either alike): `take_batch(u)` gathers each shard's part of
+update u (holding the parts that are ready until all are); `set_version`, engine losses and
+replacements reach every shard; a checkpoint's rollout state is every shard's snapshot, and a
+resume gives each shard its own (the same `rollout.shards` is required).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +40,7 @@ from rollart.types import Trajectory
 
 GroupNamer = Callable[[str, int], tuple[str, int]]
 Batch = tuple[list[Trajectory], dict[str, Any]]
+SHARDED_FORMAT = "sharded"  # rollout_state.json of a sharded run: {"format", "shards": [...]}
 
 
 def shard_slots(cfg: RunConfig, shard: int, shards: int) -> dict[str, list[int]]:
@@ -92,6 +97,12 @@ class ShardedRollout:
         self._parts: dict[int, dict[int, Batch]] = {}
         self._taken: tuple[int, Batch] | None = None
 
+    def map_handles(self, fn: Callable[[Any], Any]) -> ShardedRollout:
+        """The same shards, each handle mapped by `fn` (rollart.handles.detach / attach /
+        release: a stage's arguments carry the shards' refs, not their actors); the parts
+        held for an unfinished take stay with this object."""
+        return ShardedRollout([fn(s) for s in self.shards])
+
     def start(self) -> None:
         for s in self.shards:
             call(s, "start")
@@ -117,7 +128,7 @@ class ShardedRollout:
         self._taken = (update, (trajs, info))
         return self._taken[1]
 
-    def take_batch(self, update: int, timeout: float | None = None, poll_s: float = 0.005
+    def take_batch(self, update: int, timeout: float | None = None, poll_s: float = 0.02
                    ) -> Batch:
         t0 = time.perf_counter()
         while (out := self.try_take(update)) is None:
@@ -130,6 +141,42 @@ class ShardedRollout:
     def set_version(self, version: int) -> None:
         for s in self.shards:
             call(s, "set_version", version)
+
+    def lost_engines(self) -> list[int]:
+        """Replicas any shard has lost (each shard hears of a loss from its own calls)."""
+        return sorted({i for s in self.shards for i in call(s, "lost_engines")})
+
+    def replace_engine(self, index: int, engine: Any) -> None:
+        for s in self.shards:
+            call(s, "replace_engine", index, engine)
+
+    def snapshot(self) -> tuple[bytes | None, list[Trajectory]]:
+        """Every shard's unconsumed groups (rollart/rollout/snapshot.py), in one state; (None,
+        []) when no shard holds any (a synchronous run)."""
+        parts = [call(s, "snapshot") for s in self.shards]
+        if all(state is None for state, _ in parts):
+            return None, []
+        doc = {"format": SHARDED_FORMAT,
+               "shards": [None if state is None else json.loads(state) for state, _ in parts]}
+        return (json.dumps(doc, sort_keys=True).encode(),
+                [t for _, trajs in parts for t in trajs])
+
+    def restore_state(self, state: bytes, trajs: list[Trajectory]) -> dict[str, int]:
+        """Each shard gets its own part of a sharded snapshot (before `start`)."""
+        doc = json.loads(state)
+        if doc.get("format") != SHARDED_FORMAT or len(doc["shards"]) != len(self.shards):
+            n = len(doc["shards"]) if doc.get("format") == SHARDED_FORMAT else 1
+            raise ValueError(f"the checkpoint's rollout state comes from {n} rollout shard(s), "
+                             f"this run has rollout.shards={len(self.shards)}: resume with "
+                             f"rollout.shards={n}")
+        by_id = {t.sample_id: t for t in trajs}
+        out: Counter[str] = Counter()
+        for s, part in zip(self.shards, doc["shards"], strict=True):
+            if part is not None:
+                mine = [by_id[e] for g in part["groups"] for e in g["finished"] if e in by_id]
+                out.update(call(s, "restore_state", json.dumps(part, sort_keys=True).encode(),
+                                mine))
+        return dict(out)
 
     def stats(self) -> dict[str, Any]:
         per = [call(s, "stats") for s in self.shards]

@@ -20,14 +20,15 @@ class RolloutServiceActor:
     thread."""
 
     def __init__(self, run: RunSpec, engine_refs: list[tuple[str, str]],
-                 host_refs: list[tuple[str, str]], version: int = 0) -> None:
+                 host_refs: list[tuple[str, str]], version: int = 0,
+                 shard: tuple[int, int] = (0, 1)) -> None:
         from distributed.actor import Actor
 
         # Engines and env hosts by (actor key, worker address): handles, not graph
         # dependencies, so a lost engine or env worker does not take this actor down with it.
         hosts = [Actor(EnvHostService, address, key) for key, address in host_refs]
         engines = [Actor(EngineService, address, key) for key, address in engine_refs]
-        self.service = build_rollout_service(run, engines, hosts, version)
+        self.service = build_rollout_service(run, engines, hosts, version, shard)
 
     def lost_engines(self) -> list[int]:
         return self.service.lost_engines()
@@ -42,12 +43,19 @@ class RolloutServiceActor:
         self.service.start()
         return worker_identity()
 
+    def where(self) -> dict[str, Any]:
+        return worker_identity()
+
     async def take_batch(self, update: int) -> tuple[list[Trajectory], dict[str, Any]]:
         t0 = time.perf_counter()
         while (out := self.service.try_take(update)) is None:
             await asyncio.sleep(0.02)
         out[1]["metrics"]["rollout/wait_s"] = time.perf_counter() - t0
         return out
+
+    def try_take(self, update: int) -> tuple[list[Trajectory], dict[str, Any]] | None:
+        """This shard's part of update `update`, or None yet (rollart/rollout/shards.py)."""
+        return self.service.try_take(update)
 
     def set_version(self, version: int) -> None:
         self.service.set_version(version)

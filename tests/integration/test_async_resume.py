@@ -3,7 +3,8 @@ every sample id (issue 15, item 6): the groups the rollout service held unconsum
 checkpoint are saved with it and handed back, not generated again.
 
 Real components: the in-process loop (`run_local`: the flow's stage functions, services,
-Checkpointer and store), the local store on disk.
+Checkpointer and store), the local store on disk. Also with two rollout shards
+(rollart/rollout/shards.py): each saves its own groups, and each gets its own back.
 """
 
 from __future__ import annotations
@@ -36,8 +37,17 @@ class Interrupted(Exception):
     pass
 
 
-def test_async_run_interrupted_and_resumed_accounts_for_every_sample_id(tmp_path):
-    cfg = load_config(CONFIG, [f"storage.root={tmp_path}", *RUN, "iterations=4"])
+def groups_of(state: dict) -> list[dict]:
+    """The groups of a rollout_state.json, from every shard of a sharded one."""
+    if state.get("format") == "sharded":
+        return [g for part in state["shards"] if part for g in part["groups"]]
+    return state["groups"]
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_async_run_interrupted_and_resumed_accounts_for_every_sample_id(tmp_path, shards):
+    cfg = load_config(CONFIG, [f"storage.root={tmp_path}", *RUN, "iterations=4",
+                               f"rollout.shards={shards}"])
     store = RunStore(str(tmp_path), "async")
 
     def crash_after_checkpoint_2(row):
@@ -50,9 +60,11 @@ def test_async_run_interrupted_and_resumed_accounts_for_every_sample_id(tmp_path
     files, manifest = store.load_checkpoint(2)
     # The rollout service held groups for update 2 (started under version 1) when it was saved.
     state = json.loads(files["rollout_state.json"])
-    assert state["groups"], "nothing was pending at the checkpoint: the test proves nothing"
-    held = [e for g in state["groups"] for e in g["finished"]]
-    running = [e for g in state["groups"] for e in g["running"]]
+    assert (state.get("format") == "sharded") == (shards > 1)
+    groups = groups_of(state)
+    assert groups, "nothing was pending at the checkpoint: the test proves nothing"
+    held = [e for g in groups for e in g["finished"]]
+    running = [e for g in groups for e in g["running"]]
     pending = {t.sample_id: t for t in table_to_trajectories(
         pq.read_table(io.BytesIO(files["pending.parquet"])))} if held else {}
     assert sorted(pending) == sorted(held)
@@ -81,4 +93,4 @@ def test_async_run_interrupted_and_resumed_accounts_for_every_sample_id(tmp_path
             assert shards[e].token_ids == pending[e].token_ids
             assert shards[e].token_versions == pending[e].token_versions
     # Every group of the 4 iterations has records (settled ones are checked by the audit).
-    assert {group_of_sample(e) for e in ledger.ids()} >= {g["group_id"] for g in state["groups"]}
+    assert {group_of_sample(e) for e in ledger.ids()} >= {g["group_id"] for g in groups}

@@ -68,7 +68,9 @@ def test_flow_two_iterations_on_hardware_class_workers(prefect_api, tmp_path):
 def test_flow_with_the_asyncio_runner_over_dask_actors(prefect_api, tmp_path):
     """`rollout.runner: asyncio` in a real run: episodes as tasks on the rollout service's
     loop, the engine replicas and env host Dask actors called through its thread pool, turns
-    routed per turn across two replicas, one batch kept running while the update trains."""
+    routed per turn across two replicas, one batch kept running while the update trains. The
+    service runs as two shards (`rollout.shards: 2`), one on each of two env-class workers:
+    each owns one group of every batch; the stages see one rollout handle."""
     from flows.train import train
     from rollart.config import load_config
     from rollart.storage.checkpointing import audit_ledger
@@ -79,9 +81,12 @@ def test_flow_with_the_asyncio_runner_over_dask_actors(prefect_api, tmp_path):
         "iterations=3", "rollout.num_groups=2", "rollout.group_size=4", "eval.episodes=0",
         "storage.save_every=3", f"storage.root={tmp_path}", "tasks.0.max_turns=3",
         "rollout.runner=asyncio", "rollout.batching=continuous", "rollout.max_staleness=1",
-        "engine.replicas=2", "reward.backend=local",
+        "engine.replicas=2", "reward.backend=local", "rollout.shards=2",
+        "cluster.workers={H800: 1, H20: 1, CPU: 2}",
     ]
     out = train(config="configs/default.yaml", overrides=overrides, run_id="aio")
+    shards = out["placement"]["rollout_shard"]
+    assert len(shards) == 2 and len({s["worker"] for s in shards}) == 2, shards
     store = RunStore(str(tmp_path), "aio")
     assert store.latest_checkpoint() == 3
     files, manifest = store.load_checkpoint(3, only=["ledger.json"])

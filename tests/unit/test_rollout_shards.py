@@ -119,3 +119,27 @@ def test_sharded_batches_keep_the_bound_shares_and_each_episode_once(chat, alpha
         assert ran <= mine
     assert stats["counters"]["episodes_finished"] >= 6 * 18
     assert "failed" not in stats["counters"]
+
+
+def test_a_checkpoint_resumes_only_with_the_same_number_of_shards(chat):
+    """A sharded run's rollout state holds one part per shard; a resume with another
+    `rollout.shards` fails before anything starts, saying which value the checkpoint needs."""
+    import json
+
+    cfg = _cfg("rollout.max_staleness=1")
+    two, _ = _shards(chat, cfg, 2)
+    sharded = json.dumps({"format": "sharded", "shards": [None, None]}).encode()
+    one, _ = _shards(chat, cfg, 1)
+    with pytest.raises(ValueError, match="resume with rollout.shards=2"):
+        one[0].restore_state(sharded, [])
+    plain = json.dumps({"format": 1, "groups": []}).encode()
+    with pytest.raises(ValueError, match="resume with rollout.shards=1"):
+        ShardedRollout(two).restore_state(plain, [])
+    with pytest.raises(ValueError, match="resume with rollout.shards=2"):
+        ShardedRollout(two + one).restore_state(sharded, [])
+
+
+def test_shards_are_a_config_choice_checked_at_load():
+    with pytest.raises(Exception, match="rollout.shards=7 but rollout.num_groups=6"):
+        _cfg("rollout.shards=7")
+    assert _cfg("rollout.shards=2").rollout.shards == 2
