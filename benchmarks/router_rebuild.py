@@ -10,11 +10,12 @@ decode_batch=8)`, four H800 and four H20 replicas.
 Variants, interleaved over `--repeats` (same seed, so the same events and decisions):
 - `new`: rollart.routing.Router as it is in this checkout;
 - `plain`: the same Router with every rebuild done by the generic `QueueCost.of` loop over the
-  replica's queue (the `Uncached`-style path), to isolate what the array rebuild buys;
+  replica's queue (the `Uncached`-style path), to isolate what reusing batch windows buys;
 - `baseline`: Router and cost module loaded from git revision `--baseline-rev` (the code before
-  the array rebuild), when git can show it.
+  batch-window reuse and the other route savings), when git can show it.
 Every variant's decisions must equal `new`'s (checked; the script fails otherwise). The time is
-that of the router calls only (route, on_batch, on_finished, on_episode_end), per route.
+that of the router calls only (route, on_batch, on_finished, on_episode_end), per route, with
+the cyclic collector off as in the rollout service's event loop.
 
     .venv/bin/python benchmarks/router_rebuild.py        # -> results/router_rebuild.json
 """
@@ -22,6 +23,7 @@ that of the router calls only (route, on_batch, on_finished, on_episode_end), pe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -35,10 +37,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollart.routing import DEFAULT_CATALOG, router as router_mod  # noqa: E402
+import rollart.routing.router as router_mod  # noqa: E402
+from rollart.routing import DEFAULT_CATALOG  # noqa: E402
 from rollart.routing.cost import QueueCost  # noqa: E402
 
-BASELINE_REV = "ceb7bc2fde310f2fbdb40aab4122a7dd3c947482"  # before the array rebuild
+BASELINE_REV = "ceb7bc2fde310f2fbdb40aab4122a7dd3c947482"  # before the batch-window reuse
 TASKS = (  # (new prompt tokens range, expected decode tokens): prefill- and decode-heavy turns
     ((800, 4000), 48.0), ((100, 600), 900.0), ((300, 1500), 256.0), ((50, 300), 1500.0))
 
@@ -80,8 +83,8 @@ def plain_class(base: type) -> type:
 
 
 def run(mod: types.ModuleType, cls: type, per_replica: int, calls: int, seed: int
-        ) -> tuple[float, int, list[tuple[Any, ...]]]:
-    """Router-call seconds, routes, decisions of one replay."""
+        ) -> tuple[float, float, int, list[tuple[Any, ...]]]:
+    """Router-call seconds (all, route alone), routes, decisions of one replay."""
     hws = [DEFAULT_CATALOG["H800"]] * 4 + [DEFAULT_CATALOG["H20"]] * 4
     specs = [mod.ReplicaSpec(f"r{i}", hw) for i, hw in enumerate(hws)]
     cost = sys.modules[mod.CostModel.__module__].CostModel.for_model(135e6, decode_batch=8)
@@ -91,7 +94,7 @@ def run(mod: types.ModuleType, cls: type, per_replica: int, calls: int, seed: in
     queue: dict[str, list[str]] = {s.replica_id: [] for s in specs}  # outstanding, in order
     decisions: list[tuple[Any, ...]] = []
     clock = time.perf_counter
-    spent, routes, n_eps = 0.0, 0, 0
+    spent, in_route, routes, n_eps = 0.0, 0.0, 0, 0
 
     def request(eid: str, turn: int) -> Any:
         (lo, hi), decode = TASKS[int(eid[1:]) % len(TASKS)]
@@ -136,14 +139,16 @@ def run(mod: types.ModuleType, cls: type, per_replica: int, calls: int, seed: in
         router.on_batch(rid, done, busy)
         for k in done:
             router.on_finished(k)
+        t1 = clock()
         ds = [router.route(req) if req is not None else router.on_episode_end(eid)
               for eid, req in nxt]
-        spent += clock() - t0
+        t2 = clock()
+        spent, in_route = spent + t2 - t0, in_route + t2 - t1
         for (_, req), d in zip(nxt, ds, strict=True):
             if req is not None:
                 placed(req, d)
                 routes += 1
-    return spent, routes, decisions
+    return spent, in_route, routes, decisions
 
 
 def main() -> None:
@@ -162,26 +167,38 @@ def main() -> None:
     if old is not None:
         variants["baseline"] = (old, old.Router)
     us: dict[str, list[float]] = {v: [] for v in variants}
+    us_route: dict[str, list[float]] = {v: [] for v in variants}  # route calls alone
     ref = None
     for rep in range(args.repeats):
         for name, (mod, cls) in variants.items():
-            spent, routes, decisions = run(mod, cls, args.per_replica, args.calls, args.seed)
+            gc.collect()
+            gc.disable()  # as the rollout service's event loop runs (rollout/aio_runner.py)
+            try:
+                spent, in_route, routes, decisions = run(mod, cls, args.per_replica, args.calls,
+                                                         args.seed)
+            finally:
+                gc.enable()
             ref = decisions if ref is None else ref
             if decisions != ref:
                 raise SystemExit(f"{name}: decisions differ from the first variant's")
             us[name].append(1e6 * spent / routes)
-            print(f"repeat {rep} {name:9s} {us[name][-1]:7.2f} us/route ({routes} routes)",
-                  flush=True)
-    summary = {name: {"us_per_route": v, "median": statistics.median(v), "min": min(v),
-                      "max": max(v)} for name, v in us.items()}
-    ratios = {f"{name}/new": [o / n for o, n in zip(v, us["new"], strict=True)]
-              for name, v in us.items() if name != "new"}
+            us_route[name].append(1e6 * in_route / routes)
+            print(f"repeat {rep} {name:9s} {us[name][-1]:7.2f} us/route, all router calls; "
+                  f"{us_route[name][-1]:7.2f} in route ({routes} routes)", flush=True)
+
+    def stats(v: list[float]) -> dict[str, Any]:
+        return {"per_repeat": v, "median": statistics.median(v), "min": min(v), "max": max(v)}
+
+    summary = {name: {"all_calls_us_per_route": stats(us[name]),
+                      "route_us_per_route": stats(us_route[name])} for name in variants}
+    ratios = {f"{part}:{name}/new": stats([o / n for o, n in zip(d[name], d["new"], strict=True)])
+              for part, d in (("all_calls", us), ("route", us_route))
+              for name in variants if name != "new"}
     out = {"config": {**vars(args), "replicas": "4 x H800 + 4 x H20", "decode_batch": 8,
                       "model_params": 135e6, "policy": "affinity", "sticky": True,
                       "prefix_cache": True, "python": sys.version.split()[0]},
            "variants": summary,
-           "ratios": {k: {"per_repeat": v, "median": statistics.median(v), "min": min(v),
-                          "max": max(v)} for k, v in ratios.items()},
+           "ratios": ratios,
            "decisions_identical": True}
     for k, v in out["ratios"].items():
         print(f"{k}: median {v['median']:.2f}x (min {v['min']:.2f}, max {v['max']:.2f})")

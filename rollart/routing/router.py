@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollart.routing.catalog import HardwareClass
-from rollart.routing.cost import CostModel, QueueCost, default_correction_bound
+from rollart.routing.cost import CostModel, QueueCost, QueueWindows, default_correction_bound
 
 Policy = Literal["affinity", "round_robin", "least_loaded"]
 POLICIES: tuple[str, ...] = ("affinity", "round_robin", "least_loaded")
@@ -123,6 +123,7 @@ class Decision:
 @dataclass
 class _Replica:
     spec: ReplicaSpec
+    queue: QueueWindows  # the outstanding requests not running, with their batch windows' costs
     failed: bool = False
     # request id -> (prefill tokens, decode tokens), in arrival order
     outstanding: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -166,10 +167,13 @@ class Router:
         self.correction_bound = (correction_bound if correction_bound is not None
                                  else default_correction_bound([r.hw for r in replicas]))
         self.common_scale = 1.0
+        self._healthy: list[str] | None = None  # healthy replica ids, None: recompute
+        self._idle = QueueCost.of(cost, replicas[0].hw, ())  # no running requests
         self._raw: dict[str, tuple[float, float]] = {}  # outstanding id -> tokens (on_batch)
         self._replicas: dict[str, _Replica] = {
-            r.replica_id: _Replica(r, flops=r.hw.flops, step_s=cost.decode_batch
-                                   * cost.bytes_per_token / r.hw.bandwidth) for r in replicas}
+            r.replica_id: _Replica(r, QueueWindows(cost, r.hw), flops=r.hw.flops,
+                                   step_s=cost.decode_batch * cost.bytes_per_token
+                                   / r.hw.bandwidth) for r in replicas}
         self._order = ids  # round-robin rotation order
         self._index = {rid: i for i, rid in enumerate(ids)}
         self._rr = 0
@@ -185,7 +189,12 @@ class Router:
         return list(self._order)
 
     def healthy(self) -> list[str]:
-        return [i for i in self._order if not self._replicas[i].failed]
+        return list(self._healthy_ids())
+
+    def _healthy_ids(self) -> list[str]:  # cached between failures and recoveries: do not mutate
+        if self._healthy is None:
+            self._healthy = [i for i in self._order if not self._replicas[i].failed]
+        return self._healthy
 
     def wait_s(self, replica_id: str) -> float:
         rep = self._replicas[replica_id]
@@ -198,15 +207,15 @@ class Router:
         return [v for k, v in rep.outstanding.items() if k not in rep.running]
 
     def _queued_cost(self, rep: _Replica) -> QueueCost:
-        if rep.queued_cost is None:
-            rep.queued_cost = QueueCost.of(self.cost, rep.spec.hw, self._queued(rep))
+        if rep.queued_cost is None:  # QueueCost.of(..., self._queued(rep)), reusing windows
+            rep.queued_cost = rep.queue.cost()
         return rep.queued_cost
 
     def _running_cost(self, rep: _Replica) -> QueueCost:
         if rep.running_cost is None:
             rep.running_cost = QueueCost.of(self.cost, rep.spec.hw, [
-                v for k, v in rep.outstanding.items() if k in rep.running] if rep.running
-                else ())
+                v for k, v in rep.outstanding.items() if k in rep.running]) if rep.running \
+                else self._idle
         return rep.running_cost
 
     def home(self, episode_id: str) -> str | None:
@@ -215,41 +224,36 @@ class Router:
     def service_s(self, req: RouteRequest, replica_id: str) -> float:
         """Estimated service time of `req` on `replica_id` (a cache hit only on the episode's
         home replica, and only when the engines cache prefixes)."""
-        return self._replicas[replica_id].scale * self._raw_service_s(req, replica_id)
+        return self._price(req, [replica_id])[1][0]
 
     def _tokens(self, req: RouteRequest, replica_id: str) -> tuple[float, float]:
         hit = self.prefix_cache and self._home.get(req.episode_id) == replica_id
         return req.new_tokens + (0 if hit else req.context_tokens), req.decode_tokens
-
-    def _raw_service_s(self, req: RouteRequest, replica_id: str) -> float:
-        """What `req` adds to the replica's queued work (batched), before the correction."""
-        rep = self._replicas[replica_id]
-        queued = self._queued_cost(rep)  # a running batch takes no new rows
-        return queued.with_item_s(self.cost, rep.spec.hw, self._tokens(req, replica_id)) \
-            - queued.total_s
 
     # ---------------------------------------------------------------- events
 
     def route(self, req: RouteRequest) -> Decision:
         if req.request_id in self._where:
             raise ValueError(f"request {req.request_id!r} is already routed")
-        healthy = self.healthy()
+        healthy = self._healthy_ids()
         if not healthy:
             raise NoHealthyReplica("every engine replica is marked failed")
         home = self._home.get(req.episode_id)
         reason: Literal["new", "sticky", "spill", "failover"]
+        priced = None  # affinity: every healthy replica's (finish, service, wait) for `req`
         if home is None:
-            reason, choice = "new", self._pick(req, healthy)
+            reason, (choice, priced) = "new", self._pick(req, healthy)
         elif self._replicas[home].failed:
-            reason, choice = "failover", self._pick(req, healthy)
+            reason, (choice, priced) = "failover", self._pick(req, healthy)
         elif not self.sticky:
-            choice = self._pick(req, healthy)
+            choice, priced = self._pick(req, healthy)
             reason = "sticky" if choice == home else "spill"
         elif self.policy == "affinity":
             # cost-aware stickiness: the home's cached prefix is in its service estimate, so
             # stay unless another replica finishes this turn more than the threshold sooner.
-            best = self._pick(req, healthy)
-            gain = self._finish_s(req, home) - self._finish_s(req, best)
+            best, priced = self._pick(req, healthy)
+            finish = priced[0]  # the same _finish_s values, in `healthy` order
+            gain = finish[healthy.index(home)] - finish[healthy.index(best)]
             reason, choice = (("spill", best) if best != home
                               and gain > self.imbalance_threshold_s else ("sticky", home))
         else:
@@ -262,39 +266,51 @@ class Router:
                 cands = healthy
                 if self.policy == "round_robin":
                     cands = [i for i in healthy if i != home]
-                choice = self._pick(req, cands)
+                choice = self._pick(req, cands)[0]  # not affinity: nothing priced
                 reason = "sticky" if choice == home else "spill"
-        est = self._raw_service_s(req, choice) * self._replicas[choice].scale
-        wait = self.wait_s(choice)
-        item = self._tokens(req, choice)
         rep = self._replicas[choice]
+        if priced is None:  # the other policies: price the choice alone
+            i, priced = 0, self._price(req, [choice])
+        else:  # affinity priced every healthy replica
+            i = healthy.index(choice)
+        est, wait = priced[1][i], priced[2][i]
+        item = self._tokens(req, choice)
         if rep.queued_cost is not None:  # the request joins the end of the queue
             rep.queued_cost = rep.queued_cost.appended(self.cost, rep.spec.hw, item)
         rep.outstanding[req.request_id] = item
+        rep.queue.append(req.request_id, item)
         self._raw[req.request_id] = item
         self._where[req.request_id] = choice
         self._home[req.episode_id] = choice
         self._counts[reason] += 1
         self._routed[choice] += 1
-        return Decision(req.request_id, choice, self._index[choice],
-                        self._replicas[choice].spec.hw.name, reason, est, wait)
+        return Decision(req.request_id, choice, self._index[choice], rep.spec.hw.name, reason,
+                        est, wait)
 
     def on_started(self, replica_id: str, request_ids: list[str]) -> None:
         """An engine batch with `request_ids` started on `replica_id` (optional: without it every
         outstanding request counts as queued, and a new one may be estimated to join a batch
         that is already running)."""
         rep = self._replicas[replica_id]
-        rep.running.update(r for r in request_ids if r in rep.outstanding)
+        for r in request_ids:
+            if r in rep.outstanding and r not in rep.running:
+                rep.running.add(r)
+                rep.queue.remove(r)
         rep.touched()
 
     def on_finished(self, request_id: str) -> None:
         """The completion is back (or the request was aborted): its work leaves the queue."""
         rid = self._where.pop(request_id, None)
         self._raw.pop(request_id, None)
-        if rid is not None:
-            self._replicas[rid].outstanding.pop(request_id, None)
-            self._replicas[rid].running.discard(request_id)
-            self._replicas[rid].touched()
+        if rid is not None:  # only the cost of the list it leaves changes
+            rep = self._replicas[rid]
+            del rep.outstanding[request_id]
+            if request_id in rep.running:
+                rep.running.remove(request_id)
+                rep.running_cost = None
+            else:
+                rep.queue.remove(request_id)
+                rep.queued_cost = None
 
     def on_batch(self, replica_id: str, request_ids: list[str], busy_s: float) -> None:
         """An engine call on `replica_id` served `request_ids` in `busy_s` seconds: update the
@@ -318,7 +334,9 @@ class Router:
         lo = 1.0 / b
         self.common_scale = g
         for rep in self._replicas.values():  # an unmeasured replica gets the common part
-            rep.scale = g * (min(max(rep.ratio / g, lo), b) if rep.batches else 1.0)
+            x = rep.ratio / g if rep.batches else 1.0  # 1.0: b >= 1 >= lo, so g * 1.0
+            x = lo if lo > x else x  # min(max(x, lo), b) as comparisons: the same, faster
+            rep.scale = g * (b if b < x else x)
 
     def on_episode_end(self, episode_id: str) -> None:
         self._home.pop(episode_id, None)
@@ -334,52 +352,67 @@ class Router:
             self._raw.pop(r, None)
         rep.outstanding.clear()
         rep.running.clear()
+        rep.queue.clear()
         rep.touched()
+        self._healthy = None
         return lost
 
     def on_recovered(self, replica_id: str) -> None:
         self._replicas[replica_id].failed = False
+        self._healthy = None
 
     # ---------------------------------------------------------------- policy
 
     def _finish_s(self, req: RouteRequest, replica_id: str) -> float:
-        """affinity's cost of placing `req` on the replica: when it would finish (wait + its
-        service) plus the delay its service inflicts on the queued rows it would share a batch
-        with (they all finish when the batch does). This runs for every candidate of every
-        decision, so it is wait_s + (1 + sharing) x service_s written out over the cached queue
-        costs (the same operations as CostModel.batch_s; tests compare it with the plain sums)."""
-        rep = self._replicas[replica_id]
-        queued = rep.queued_cost or self._queued_cost(rep)
-        running = rep.running_cost or self._running_cost(rep)
-        cost = self.cost
-        hit = self.prefix_cache and self._home.get(req.episode_id) == replica_id
-        prefill = queued.tail_prefill + (req.new_tokens + (0 if hit else req.context_tokens))
-        d = req.decode_tokens
-        decode = d if not queued.tail or d > queued.tail_decode else queued.tail_decode
-        with_item = cost.time_scale * (queued.full_raw + (
-            prefill * cost.flops_per_token / rep.flops + decode * rep.step_s))
-        wait = rep.scale * (running.total_s + queued.total_s)
-        sharing = queued.count % cost.decode_batch
-        return wait + (1 + sharing) * (rep.scale * (with_item - queued.total_s))
+        return self._price(req, [replica_id])[0][0]
 
-    def _pick(self, req: RouteRequest, cands: list[str]) -> str:
+    def _price(self, req: RouteRequest, cands: list[str]
+               ) -> tuple[list[float], list[float], list[float]]:
+        """(_finish_s, service_s, wait_s) of `req` on each candidate. `_finish_s` is affinity's
+        cost of placing `req` on a replica: when it would finish (wait + its service) plus the
+        delay its service inflicts on the queued rows it would share a batch with (they all
+        finish when the batch does). This runs for every candidate of every decision, so it is
+        wait_s + (1 + sharing) x service_s written out over the cached queue costs (the same
+        operations as CostModel.batch_s; tests compare it with the plain sums)."""
+        cost = self.cost
+        ts, fpt, b = cost.time_scale, cost.flops_per_token, cost.decode_batch
+        home = self._home.get(req.episode_id) if self.prefix_cache else None
+        new, ctx, d = req.new_tokens, req.context_tokens, req.decode_tokens
+        finish, service, wait = [], [], []
+        for rid in cands:
+            rep = self._replicas[rid]
+            queued = rep.queued_cost or self._queued_cost(rep)
+            running = rep.running_cost or self._running_cost(rep)
+            prefill = queued.tail_prefill + (new + (0 if home == rid else ctx))
+            decode = d if not queued.tail or d > queued.tail_decode else queued.tail_decode
+            with_item = ts * (queued.full_raw + (prefill * fpt / rep.flops + decode * rep.step_s))
+            w = rep.scale * (running.total_s + queued.total_s)
+            s = rep.scale * (with_item - queued.total_s)
+            finish.append(w + (1 + queued.count % b) * s)
+            service.append(s)
+            wait.append(w)
+        return finish, service, wait
+
+    def _pick(self, req: RouteRequest, cands: list[str]
+              ) -> tuple[str, tuple[list[float], list[float], list[float]] | None]:
+        """The chosen candidate, and affinity's prices of all of them (None for the others)."""
         if self.policy == "affinity":
+            priced = self._price(req, cands)
             best, best_s = cands[0], math.inf
-            for rid in cands:  # the first of the cheapest, as min() would pick
-                finish = self._finish_s(req, rid)
-                if finish < best_s:
-                    best, best_s = rid, finish
-            return best
+            for rid, f in zip(cands, priced[0], strict=True):  # the first of the cheapest
+                if f < best_s:
+                    best, best_s = rid, f
+            return best, priced
         if self.policy == "least_loaded":
-            return min(cands, key=lambda i: len(self._replicas[i].outstanding))
+            return min(cands, key=lambda i: len(self._replicas[i].outstanding)), None
         # round robin: advance the rotation to the next candidate
         n = len(self._order)
         for _ in range(n):
             rid = self._order[self._rr % n]
             self._rr += 1
             if rid in cands:
-                return rid
-        return cands[0]
+                return rid, None
+        return cands[0], None
 
     def metrics(self) -> dict[str, float]:
         """`router/...` counters: decisions by reason, requests per replica, current waits."""
