@@ -137,6 +137,7 @@ def shard_main(conn: Any, point: dict[str, Any], shard: int, chat: ChatFormat) -
                 lag = max(arg - t.turns[0].weight_version for t in trajs)  # its start version
                 out = ([t.sample_id for t in trajs], lag, info["dropped"],
                        {k: v for k, v in info["metrics"].items() if k.startswith("rollout/")})
+                del trajs, got  # as a trainer would once sent: the service frees them (release)
         elif cmd == "set_version":
             for e in engines:
                 e.weight_version = arg

@@ -149,6 +149,16 @@ class AsyncRunner:
         if start + size < len(lives):
             self.loop.call_soon(self._launch_slice, lives, start + size, size)
 
+    def release(self, objs: list[Any], slice_size: int = 32) -> None:
+        """Drop `objs` (a list no one else holds) on the loop, `slice_size` per iteration:
+        their deallocation, spread between the turns in flight."""
+        self.in_loop(partial(self._release_slice, objs, slice_size))
+
+    def _release_slice(self, objs: list[Any], size: int) -> None:
+        del objs[-size:]
+        if objs:
+            self.loop.call_soon(self._release_slice, objs, size)
+
     def stop(self) -> None:
         if self.thread is None:
             return

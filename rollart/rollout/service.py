@@ -106,6 +106,7 @@ class RolloutService(ReplicaFailures):
         self.on_engine: Counter[int] = Counter()
         self.on_host: Counter[int] = Counter()
         self._filling = False  # asyncio: a sliced fill is under way on the loop (`_fill`)
+        self._last_fill = 0.0  # monotonic time of the last fill slice (`START_RATE`)
         self.done: dict[str, Trajectory] = {}
         self.done_stats: dict[str, TrajStats] = {}  # of `done`: the batch metrics' inputs
         self.totals = _Totals()
@@ -202,7 +203,12 @@ class RolloutService(ReplicaFailures):
             drops, self.totals.drops = self.totals.drops, []
             metrics: dict[str, float] = {}
             out = trajs, {"dropped": drops, "metrics": metrics}
-            self._taken = (update, out)
+            previous, self._taken = self._taken, (update, out)
+        if previous is not None and self.runner is not None:
+            # Freeing a batch of thousands of trajectories takes milliseconds of the caller's
+            # thread (under the GIL, the loop's time); the loop lets go of them a slice at a time.
+            self.runner.release(list(previous[1][0]))
+            del previous
         # Outside the lock: a batch's statistics take milliseconds at thousands of episodes,
         # and the episodes that finish meanwhile need the lock.
         metrics.update(service_metrics(self, trajs, stats))
@@ -234,9 +240,8 @@ class RolloutService(ReplicaFailures):
             return sum(1 for x in self.live.values() if x.engine == engine)
 
     def _fill(self) -> None:
-        """Start what the scheduler admits. With the asyncio runner, on the loop in slices of
-        `FILL_SLICE` groups: a batch's worth at once (hundreds of groups after a take at
-        thousands of episodes) held every turn in flight up for milliseconds."""
+        """Start what the scheduler admits. With the asyncio runner, on the loop, paced (see
+        `START_RATE`)."""
         if self.stopping or self.fatal is not None:
             return
         if self.runner is None:
@@ -245,19 +250,28 @@ class RolloutService(ReplicaFailures):
             self._filling = True
             self.runner.in_loop(self._fill_slice)
 
-    FILL_SLICE = 8  # groups per loop iteration (asyncio runner)
+    # asyncio runner: new episodes start at most START_RATE per second, in slices at least
+    # START_GAP_S apart (a slice holds what the rate allows since the previous one, up to
+    # START_BURST_S of it, and at least one group). A batch's worth of groups started at once
+    # (512 episodes after a take at 4,096) put tens of milliseconds of work on the loop, every
+    # turn in flight waiting behind it: benchmarks/rollout_scale.py's overhead p99.
+    START_RATE, START_GAP_S, START_BURST_S = 8000.0, 0.001, 0.004
 
     def _fill_slice(self) -> None:
         def now() -> None:
             if self.stopping or self.fatal is not None:
                 self._filling = False
                 return
+            t = time.monotonic()
+            since, self._last_fill = min(t - self._last_fill, self.START_BURST_S), t
+            per_group = self.cfg.rollout.group_size + self.cfg.rollout.redundancy
+            groups = max(1, int(since * self.START_RATE) // per_group)
             before = self.sched.counters["groups_started"]
-            self._launch(self.sched.fill(max_groups=self.FILL_SLICE))
-            if self.sched.counters["groups_started"] - before < self.FILL_SLICE:
+            self._launch(self.sched.fill(max_groups=groups))
+            if self.sched.counters["groups_started"] - before < groups:
                 self._filling = False  # capacity reached: the next event asks again
             else:
-                self.runner.loop.call_soon(self._fill_slice)
+                self.runner.loop.call_later(self.START_GAP_S, self._fill_slice)
         self.runner._locked(now)
 
     def _launch(self, starts: list[Start]) -> None:

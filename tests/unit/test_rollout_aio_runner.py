@@ -106,3 +106,32 @@ def test_consumed_and_dropped_groups_leave_no_episode_index_behind():
     s.on_version(22)  # past the bound: the running group is dropped as stale
     assert s.groups == {} and s.episode_group == {}
     assert s.counters["groups_consumed"] == 20 and s.counters["dropped_stale_groups"] == 1
+
+
+def test_new_episodes_start_paced_not_a_batch_at_once(chat, monkeypatch):
+    """The first fill admits two batches (32 groups, 64 episodes): at START_RATE 2,000/s with
+    slices at most START_BURST_S (4 ms) of it, no slice starts more than 4 groups, and the
+    slices are spread over time instead of landing in consecutive loop iterations."""
+    monkeypatch.setattr(RolloutService, "START_RATE", 2000.0)
+    svc = _service(chat)
+    slices: list[tuple[float, int]] = []
+    launch = svc._launch
+
+    def record(starts):
+        if starts:
+            slices.append((time.monotonic(), len(starts)))
+        launch(starts)
+
+    svc._launch = record
+    svc.start()
+    try:
+        deadline = time.monotonic() + 10
+        while sum(n for _, n in slices) < 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        svc.stop()
+    sizes = [n for _, n in slices]
+    assert sum(sizes) >= 64 and max(sizes) <= 4 * 2, sizes  # 4 groups of 2 episodes
+    first_64 = next(i for i in range(len(sizes)) if sum(sizes[: i + 1]) >= 64)
+    # >= 8 slices, each at least START_GAP_S (1 ms) after the previous one
+    assert first_64 >= 7 and slices[first_64][0] - slices[0][0] >= 7 * 0.001
