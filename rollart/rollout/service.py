@@ -250,20 +250,22 @@ class RolloutService(ReplicaFailures):
             self._filling = True
             self.runner.in_loop(self._fill_slice)
 
-    # asyncio runner: new episodes start at most START_RATE per second, in slices at least
-    # START_GAP_S apart (a slice holds what the rate allows since the previous one, up to
-    # START_BURST_S of it, and at least one group). A batch's worth of groups started at once
-    # (512 episodes after a take at 4,096) put tens of milliseconds of work on the loop, every
-    # turn in flight waiting behind it: benchmarks/rollout_scale.py's overhead p99.
+    # asyncio runner: new episodes start at START_RATE per second at most, in slices at least
+    # START_GAP_S apart, each holding what the rate allows since the previous slice (at least
+    # one group; the first slice of a fill START_BURST_S of it). A batch's worth of groups
+    # started at once (512 episodes after a take at 4,096) put tens of milliseconds of work on
+    # the loop, every turn in flight waiting behind it (benchmarks/rollout_scale.py's overhead
+    # p99); a loop saturated with turns runs slices far apart, and they grow to keep the rate.
     START_RATE, START_GAP_S, START_BURST_S = 8000.0, 0.001, 0.004
 
-    def _fill_slice(self) -> None:
+    def _fill_slice(self, continued: bool = False) -> None:
         def now() -> None:
             if self.stopping or self.fatal is not None:
                 self._filling = False
                 return
             t = time.monotonic()
-            since, self._last_fill = min(t - self._last_fill, self.START_BURST_S), t
+            since = min(t - self._last_fill, 1.0) if continued else self.START_BURST_S
+            self._last_fill = t
             per_group = self.cfg.rollout.group_size + self.cfg.rollout.redundancy
             groups = max(1, int(since * self.START_RATE) // per_group)
             before = self.sched.counters["groups_started"]
@@ -271,7 +273,7 @@ class RolloutService(ReplicaFailures):
             if self.sched.counters["groups_started"] - before < groups:
                 self._filling = False  # capacity reached: the next event asks again
             else:
-                self.runner.loop.call_later(self.START_GAP_S, self._fill_slice)
+                self.runner.loop.call_later(self.START_GAP_S, self._fill_slice, True)
         self.runner._locked(now)
 
     def _launch(self, starts: list[Start]) -> None:
