@@ -21,6 +21,7 @@ from rollart.config import TaskConfig
 from rollart.envs import make_env
 from rollart.envs.wrappers import injected_counts
 from rollart.handles import call, worker_identity
+from rollart.models.chat import ChatFormat
 from rollart.run import RunSpec
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
@@ -28,27 +29,38 @@ StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
 class EnvHost:
     """The envs of one process, keyed by episode id. Thread-safe; each env is used by one
-    episode at a time."""
+    episode at a time. With the run's chat format (`chat`), the host also tokenizes what its
+    envs say, so the rollout service (one process for every episode) does not: `open` adds the
+    prompt ids of system + observation + assistant header, `step` adds those of the next
+    observation as info["prompt_ids"] (rollart/rollout/env_manager.py uses them as given)."""
 
-    def __init__(self, tasks: list[TaskConfig]) -> None:
+    def __init__(self, tasks: list[TaskConfig], chat: ChatFormat | None = None) -> None:
         self.tasks = {t.name: t for t in tasks}
         self.envs: dict[str, Any] = {}
         self.lock = threading.Lock()
         self.opened = 0
+        self.chat = chat
 
-    def open(self, episode_id: str, task: str, seed: int) -> tuple[str, str]:
-        """Build and reset the env; returns (system prompt, first observation)."""
+    def open(self, episode_id: str, task: str, seed: int) -> tuple:
+        """Build and reset the env; returns (system prompt, first observation[, prompt ids])."""
         env = make_env(self.tasks[task])
         with self.lock:
             self.envs[episode_id] = env
             self.opened += 1
         obs, _ = env.reset(seed=seed)
-        return env.system_prompt, obs
+        if self.chat is None:
+            return env.system_prompt, obs
+        c = self.chat
+        return env.system_prompt, obs, (c.system(env.system_prompt) + c.user(obs)
+                                        + c.assistant_header())
 
     def step(self, episode_id: str, text: str) -> StepResult:
         with self.lock:
             env = self.envs[episode_id]
-        return env.step(text)
+        obs, reward, terminated, truncated, info = env.step(text)
+        if self.chat is not None and not (terminated or truncated):
+            info = {**info, "prompt_ids": self.chat.user(obs) + self.chat.assistant_header()}
+        return obs, reward, terminated, truncated, info
 
     def close(self, episode_id: str) -> None:
         with self.lock:
@@ -69,13 +81,15 @@ class EnvHostService:
     """Dask actor: an EnvHost on a CPU-class worker (async methods, own thread pool)."""
 
     def __init__(self, run: RunSpec) -> None:
-        self.host = EnvHost(run.cfg.tasks)
+        from rollart.models.run_model import chat_format  # the run's tokenizer (prepared)
+
+        self.host = EnvHost(run.cfg.tasks, chat_format(run))
         self.pool = ThreadPoolExecutor(run.cfg.rollout.env_host_threads, thread_name_prefix="env")
 
     async def _run(self, fn, *args):  # noqa: ANN001, ANN202
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def open(self, episode_id: str, task: str, seed: int) -> tuple[str, str]:
+    async def open(self, episode_id: str, task: str, seed: int) -> tuple:
         return await self._run(self.host.open, episode_id, task, seed)
 
     async def step(self, episode_id: str, text: str) -> StepResult:
@@ -109,8 +123,8 @@ class HostedEnv:
 
     def reset(self, seed: int) -> tuple[str, dict]:
         opened = self._call("open", self.live.id, self.live.start.task, seed)
-        self.system_prompt, obs = opened[0], opened[1]  # (a third item: prompt ids, unused)
-        return obs, {}
+        self.system_prompt, obs = opened[0], opened[1]
+        return obs, {"prompt_ids": opened[2]} if len(opened) > 2 else {}
 
     def step(self, text: str) -> tuple[str, float, bool, bool, dict]:
         return self._call("step", self.live.id, text)

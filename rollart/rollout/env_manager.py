@@ -124,14 +124,15 @@ def start_episode(spec: EpisodeSpec, chat: ChatFormat,
     t0 = time.perf_counter()
     try:
         ep.env = env_factory(spec.task)
-        observation, _ = ep.env.reset(seed=spec.seed)
+        observation, info = ep.env.reset(seed=spec.seed)
         system = ep.env.system_prompt
     except Exception:
         _fail(ep, "reset")
         return ep
     finally:
         ep.timings["env_s"] += time.perf_counter() - t0
-    begin_episode(ep, chat, system, observation)
+    # the ids of an env host that tokenizes (rollart/rollout/env_host.py), else made here
+    begin_episode(ep, chat, system, observation, (info or {}).get("prompt_ids"))
     return ep
 
 

@@ -38,7 +38,7 @@ def policy():
     return build_tiny_model(cfg.model.tiny, tok, seed=0), tok
 
 
-def _service(policy, *overrides: str) -> RolloutService:
+def _service(policy, *overrides: str, host_chat: ChatFormat | None = None) -> RolloutService:
     model, tok = policy
     cfg = load_config(None, [TASKS, "rollout.num_groups=4", "rollout.group_size=3",
                              "iterations=4", *overrides])
@@ -46,8 +46,30 @@ def _service(policy, *overrides: str) -> RolloutService:
     params = constrained_params(SamplingParams(max_new_tokens=4, stop=["</answer>"]), chat,
                                 cfg.tasks)
     engines = [HFEngine(model, tok, seed=r) for r in range(2)]
-    return RolloutService(cfg, chat, engines, [EnvHost(cfg.tasks)], LocalRewardClient(),
-                          params)
+    return RolloutService(cfg, chat, engines, [EnvHost(cfg.tasks, host_chat)],
+                          LocalRewardClient(), params)
+
+
+def test_an_env_host_that_tokenizes_changes_where_the_work_runs_not_one_id(policy, runner):
+    """EnvHost(tasks, chat) sends the prompt ids of what its envs say (production hosts do:
+    EnvHostService), so the rollout service tokenizes nothing itself; the trajectories are
+    the same, id for id (lockstep, alpha 0: deterministic)."""
+    runs, calls = [], []
+    for host_chat in (None, ChatFormat(policy[1])):
+        svc = _service(policy, "tasks=[{name: lake, env_id: FrozenLake-v1, max_turns: 3}]",
+                       f"rollout.runner={runner}", host_chat=host_chat)
+        made = []
+        user = svc.chat.user
+        svc.chat.user = lambda text: made.append(text) or user(text)  # the service's own
+        svc.start()
+        try:
+            trajs, _ = svc.take_batch(0, timeout=60)
+        finally:
+            svc.stop()
+        runs.append({t.sample_id: (t.token_ids, t.loss_mask) for t in trajs})
+        calls.append(len(made))
+    assert runs[0] == runs[1] and len(runs[0]) == 4 * 3
+    assert calls[0] > 0 and calls[1] == 0
 
 
 @pytest.mark.parametrize("overrides", [
