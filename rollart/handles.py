@@ -192,12 +192,19 @@ class ActorRef:
     key: str
 
 
+def _has_handles(value: Any) -> bool:
+    """An object that holds service handles and maps them (`map_handles`). Asked of its type: a
+    Dask Actor answers any attribute with a remote method, and one whose worker was lost raises
+    on every attribute."""
+    return callable(getattr(type(value), "map_handles", None))
+
+
 def detach(value: Any) -> Any:
     """`value` with every Actor (also inside lists and tuples) replaced by its ActorRef."""
     if isinstance(value, (list, tuple)):
         return type(value)(detach(v) for v in value)
-    if callable(remap := getattr(value, "map_handles", None)):  # a handle of handles
-        return remap(detach)
+    if _has_handles(value):  # a handle of handles (rollart.rollout.shards.ShardedRollout)
+        return value.map_handles(detach)
     cls = getattr(value, "_cls", None)
     if cls is not None and hasattr(value, "_address") and hasattr(value, "key"):
         return ActorRef(cls, value._address, value.key)
@@ -208,8 +215,8 @@ def attach(value: Any) -> Any:
     """The inverse of `detach`, where the value is used (on a worker)."""
     if isinstance(value, (list, tuple)):
         return type(value)(attach(v) for v in value)
-    if callable(remap := getattr(value, "map_handles", None)):
-        return remap(attach)
+    if _has_handles(value):
+        return value.map_handles(attach)
     if isinstance(value, ActorRef):
         from distributed.actor import Actor
 
@@ -222,8 +229,8 @@ def release(handle: Any) -> None:
     While a client holds an actor's future, the scheduler re-runs the actor's creation on
     another worker when the actor's worker dies: a second, unused service. A lost service
     that has been replaced, or the old services of a restarted run, are released instead."""
-    if callable(remap := getattr(handle, "map_handles", None)):
-        remap(release)
+    if _has_handles(handle):
+        handle.map_handles(release)
         return
     fut = getattr(handle, "_future", None)
     if fut is not None and callable(getattr(fut, "release", None)):

@@ -188,3 +188,30 @@ def test_flush_shards_skips_a_gone_worker_but_raises_a_live_workers_error():
     broken = SimpleNamespace(client=Client({"a": 2, "b": ValueError("disk full")}))
     with pytest.raises(ValueError, match="disk full"):
         DaskServices.flush_shards(broken)
+
+
+class _LostActor:
+    """Like a Dask Actor whose worker was lost: every attribute it does not hold itself raises
+    (a live one answers any attribute with a remote method)."""
+
+    _cls, _address, key, _future = object, "tcp://127.0.0.1:1", "rollout-x", None
+
+    def __getattr__(self, name):
+        raise RuntimeError("Worker holding Actor was lost.  Status: error")
+
+
+def test_handles_of_a_lost_actor_and_of_shards_detach_attach_and_release():
+    """A restart releases the lost services' handles: that must not ask the lost actor anything
+    (it raised, and the run could not restart); a ShardedRollout maps its shards' handles."""
+    from rollart.handles import ActorRef, attach, detach, release
+    from rollart.rollout.shards import ShardedRollout
+
+    lost = _LostActor()
+    release(lost)  # nothing to release, nothing raised
+    assert detach(lost) == ActorRef(object, "tcp://127.0.0.1:1", "rollout-x")
+    sharded = ShardedRollout([_LostActor(), _LostActor()])
+    release(sharded)
+    refs = detach(sharded)
+    assert isinstance(refs, ShardedRollout) and all(isinstance(s, ActorRef) for s in refs.shards)
+    assert detach([lost, 3]) == [detach(lost), 3]
+    assert attach(detach(3)) == 3

@@ -60,7 +60,7 @@ def test_an_env_host_that_tokenizes_changes_where_the_work_runs_not_one_id(polic
                        f"rollout.runner={runner}", host_chat=host_chat)
         made = []
         user = svc.chat.user
-        svc.chat.user = lambda text: made.append(text) or user(text)  # the service's own
+        svc.chat.user = lambda text, made=made, user=user: made.append(text) or user(text)
         svc.start()
         try:
             trajs, _ = svc.take_batch(0, timeout=60)
