@@ -187,7 +187,17 @@ class ShardedRollout:
                 "shards": per}
 
     def stop(self) -> dict[str, Any]:
-        out = [call(s, "stop") for s in self.shards]
+        """Stops every shard, even when one cannot be reached (a lost worker: the run aborts
+        and restarts, and the others must not go on running episodes); then raises the first
+        error."""
+        out, errors = [], []
+        for s in self.shards:
+            try:
+                out.append(call(s, "stop"))
+            except Exception as err:  # noqa: BLE001 - raised below, after the others stopped
+                errors.append(err)
+        if errors:
+            raise errors[0]
         counters: Counter[str] = Counter()
         for p in out:
             counters.update(p["counters"])

@@ -143,3 +143,21 @@ def test_shards_are_a_config_choice_checked_at_load():
     with pytest.raises(Exception, match="rollout.shards=7 but rollout.num_groups=6"):
         _cfg("rollout.shards=7")
     assert _cfg("rollout.shards=2").rollout.shards == 2
+
+
+def test_stop_reaches_every_shard_even_when_one_is_lost():
+    class Lost:
+        def stop(self):
+            raise OSError("its worker is gone")
+
+    class Live:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+            return {"counters": {}}
+
+    live = [Live(), Live()]
+    with pytest.raises(OSError, match="gone"):
+        ShardedRollout([live[0], Lost(), live[1]]).stop()
+    assert all(x.stopped for x in live)
