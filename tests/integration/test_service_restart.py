@@ -26,7 +26,7 @@ def _holding(client, prefix: str) -> list[str]:
     return [a for a, keys in actors.items() if any(k.startswith(prefix) for k in keys)]
 
 
-def _run_and_kill(prefect_api, tmp_path, run_id, workers, pick):
+def _run_and_kill(prefect_api, tmp_path, run_id, workers, pick, extra=()):
     from distributed import Client
 
     from flows.train import train
@@ -36,7 +36,7 @@ def _run_and_kill(prefect_api, tmp_path, run_id, workers, pick):
     from rollart.storage.ledger import SampleLedger
     from rollart.storage.store import RunStore
 
-    overrides = BASE + [f"storage.root={tmp_path}"]
+    overrides = BASE + [f"storage.root={tmp_path}", *extra]
     store = RunStore(str(tmp_path), run_id)
     killed: list[str] = []
     with HardwareClassCluster(workers=workers, dashboard=False) as cluster, \
@@ -81,5 +81,23 @@ def test_killed_trainer_worker_resumes_from_the_latest_checkpoint(prefect_api, t
 def test_killed_rollout_service_worker_is_recreated_elsewhere(prefect_api, tmp_path):
     out = _run_and_kill(prefect_api, tmp_path, "rollout-kill", {"H800": 1, "H20": 1, "CPU": 2},
                         lambda client: _holding(client, "rollout-")[0])
+    [restart] = out["restarts"]
+    assert restart["lost"] == "rollout service" and restart["from_checkpoint"] >= 2, restart
+
+
+def test_killed_worker_of_one_rollout_shard_restarts_the_run_from_the_checkpoint(prefect_api,
+                                                                               tmp_path):
+    """Two rollout shards (asyncio runner, staleness 1) on two env workers; the worker holding
+    shard 1 dies: every shard is stopped, the services are created again and the run resumes
+    from the latest checkpoint, each shard getting its own pending groups back; every sample id
+    is accounted for once."""
+    def shard_1(client):
+        actors = client.run(lambda dask_worker: [str(k) for k in dask_worker.state.actors])
+        return next(a for a, keys in actors.items()
+                    if any(k.startswith("rollout-") and k.endswith("-s1") for k in keys))
+
+    out = _run_and_kill(prefect_api, tmp_path, "shard-kill", {"H800": 1, "H20": 1, "CPU": 2},
+                        shard_1, extra=["rollout.shards=2", "rollout.runner=asyncio",
+                                        "rollout.batching=continuous", "rollout.max_staleness=1"])
     [restart] = out["restarts"]
     assert restart["lost"] == "rollout service" and restart["from_checkpoint"] >= 2, restart
