@@ -62,7 +62,7 @@ def make_requests(tok, n: int, params: SamplingParams, tag: str) -> list[Generat
     out = []
     for i in range(n):
         obs, _ = env.reset(seed=i)
-        ids = chat.system(env.system_prompt) + chat.user(obs) + chat.assistant_header()
+        ids = chat.first_prompt(env.system_prompt, obs)
         out.append(GenerationRequest(f"{tag}{i}", ids, params))
     return out
 

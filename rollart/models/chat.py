@@ -57,6 +57,14 @@ class ChatFormat:
         """`<|im_start|>assistant\\n`: appended after the last user message, before generating."""
         return list(self._header)
 
+    def first_prompt(self, system: str, observation: str) -> list[int]:
+        """An episode's opening: system message, first observation, assistant header."""
+        return self.system(system) + self.user(observation) + self.assistant_header()
+
+    def next_prompt(self, observation: str) -> list[int]:
+        """What follows an assistant turn: the next observation and the assistant header."""
+        return self.user(observation) + self.assistant_header()
+
     def assistant_end(self) -> list[int]:
         """`<|im_end|>\\n`: closes an assistant turn the model did not close itself."""
         return [self.eos_id, *self._newline]

@@ -83,7 +83,7 @@ class EmulatedEnvHost:
         ids = self._ids.get((first, obs))
         if ids is None:
             c = self.chat
-            ids = (c.system(self.SYSTEM) if first else []) + c.user(obs) + c.assistant_header()
+            ids = c.first_prompt(self.SYSTEM, obs) if first else c.next_prompt(obs)
             self._ids[(first, obs)] = ids
         return list(ids)
 

@@ -50,16 +50,14 @@ class EnvHost:
         obs, _ = env.reset(seed=seed)
         if self.chat is None:
             return env.system_prompt, obs
-        c = self.chat
-        return env.system_prompt, obs, (c.system(env.system_prompt) + c.user(obs)
-                                        + c.assistant_header())
+        return env.system_prompt, obs, self.chat.first_prompt(env.system_prompt, obs)
 
     def step(self, episode_id: str, text: str) -> StepResult:
         with self.lock:
             env = self.envs[episode_id]
         obs, reward, terminated, truncated, info = env.step(text)
         if self.chat is not None and not (terminated or truncated):
-            info = {**info, "prompt_ids": self.chat.user(obs) + self.chat.assistant_header()}
+            info = {**info, "prompt_ids": self.chat.next_prompt(obs)}
         return obs, reward, terminated, truncated, info
 
     def close(self, episode_id: str) -> None:

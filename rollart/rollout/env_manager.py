@@ -113,7 +113,7 @@ def begin_episode(ep: _Episode, chat: ChatFormat, system: str, observation: str,
     ids as given, when an env host tokenized them, else tokenized here)."""
     ep.observation = observation
     if prompt_ids is None:
-        prompt_ids = chat.system(system) + chat.user(observation) + chat.assistant_header()
+        prompt_ids = chat.first_prompt(system, observation)
     ep.extend(prompt_ids, 0)
     ep.pending_prompt_tokens = len(ep.traj.token_ids)
 
@@ -168,8 +168,8 @@ def record_step(ep: _Episode, comp: Completion, result: StepResult, env_s: float
         ep.done = True
         return
     # An env host that tokenizes its observations (with the run's chat format) sends the ids
-    # of `user(obs) + assistant_header` as info["prompt_ids"]: one tokenization less here.
-    next_ids = info.get("prompt_ids") or chat.user(obs) + chat.assistant_header()
+    # of `chat.next_prompt(obs)` as info["prompt_ids"]: one tokenization less here.
+    next_ids = info.get("prompt_ids") or chat.next_prompt(obs)
     if len(traj.token_ids) + len(next_ids) + max_new_tokens > max_context:
         traj.truncated, ep.done = True, True  # context budget exhausted
         return
