@@ -43,6 +43,16 @@ Batch = tuple[list[Trajectory], dict[str, Any]]
 SHARDED_FORMAT = "sharded"  # rollout_state.json of a sharded run: {"format", "shards": [...]}
 
 
+def check_state_shards(state: dict[str, Any], shards: int) -> None:
+    """A checkpoint's rollout state (a sharded one, or one service's) resumes only into the
+    same number of shards: else fail before anything starts, naming the value to use."""
+    n = len(state["shards"]) if state.get("format") == SHARDED_FORMAT else 1
+    if n != shards:
+        raise ValueError(f"the checkpoint's rollout state comes from {n} rollout shard(s), "
+                         f"this run has rollout.shards={shards}: resume with "
+                         f"rollout.shards={n}")
+
+
 def shard_slots(cfg: RunConfig, shard: int, shards: int) -> dict[str, list[int]]:
     """{task: the slots (group index within an iteration) shard `shard` of `shards` owns}."""
     if not 0 <= shard < shards:
@@ -164,11 +174,7 @@ class ShardedRollout:
     def restore_state(self, state: bytes, trajs: list[Trajectory]) -> dict[str, int]:
         """Each shard gets its own part of a sharded snapshot (before `start`)."""
         doc = json.loads(state)
-        if doc.get("format") != SHARDED_FORMAT or len(doc["shards"]) != len(self.shards):
-            n = len(doc["shards"]) if doc.get("format") == SHARDED_FORMAT else 1
-            raise ValueError(f"the checkpoint's rollout state comes from {n} rollout shard(s), "
-                             f"this run has rollout.shards={len(self.shards)}: resume with "
-                             f"rollout.shards={n}")
+        check_state_shards(doc, len(self.shards))
         by_id = {t.sample_id: t for t in trajs}
         out: Counter[str] = Counter()
         for s, part in zip(self.shards, doc["shards"], strict=True):

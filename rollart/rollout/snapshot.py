@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from rollart.rollout.shards import check_state_shards
 from rollart.types import Trajectory
 
 if TYPE_CHECKING:
@@ -48,10 +49,7 @@ def snapshot(svc: RolloutService) -> tuple[bytes, list[Trajectory]]:
 def restore(svc: RolloutService, data: bytes, trajs: list[Trajectory]) -> dict[str, int]:
     """Load a snapshot into `svc` (created, not started). Returns what was restored."""
     state = json.loads(data)
-    if state.get("format") == "sharded":  # rollart/rollout/shards.py
-        raise ValueError(f"the checkpoint's rollout state comes from {len(state['shards'])} "
-                         "rollout shards, this run has one: resume with rollout.shards="
-                         f"{len(state['shards'])}")
+    check_state_shards(state, 1)
     if state.get("format") != FORMAT:
         raise ValueError(f"rollout_state.json format {state.get('format')!r} is not {FORMAT}")
     by_id = {t.sample_id: t for t in trajs}
