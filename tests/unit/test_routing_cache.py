@@ -47,6 +47,14 @@ def queues(router: Router, rid: str) -> tuple[list, list]:
     return running, [v for k, v in rep.outstanding.items() if k not in rep.running]
 
 
+def finish_batch(routers: tuple[Router, ...], rid: str, ids: list[str], busy: float) -> None:
+    """An engine batch on `rid` ends: the correction, then its completions, on every router."""
+    for router in routers:
+        router.on_batch(rid, ids, busy)
+        for k in ids:
+            router.on_finished(k)
+
+
 def check_against_plain(router: Router, probe: RouteRequest) -> None:
     cost = router.cost
     for rid in router.replica_ids():
@@ -95,11 +103,7 @@ def test_cached_router_equals_plain_sums_and_uncached_decisions(policy: str, see
         elif op < 0.95:  # a batch ends: correction, then the completions
             rid = rng.choice(sorted(set(where.values())))
             ids = [k for k, v in where.items() if v == rid][:rng.randint(1, 4)]
-            busy = rng.uniform(0.1, 3.0)
-            for router in (cached, plain):
-                router.on_batch(rid, ids, busy)
-                for k in ids:
-                    router.on_finished(k)
+            finish_batch((cached, plain), rid, ids, rng.uniform(0.1, 3.0))
             for k in ids:
                 del where[k]
                 if rng.random() < 0.3:
@@ -170,11 +174,7 @@ def test_window_reuse_at_scale_equals_plain_sums_and_uncached_decisions(seed: in
             cached.on_started(rid, started)
             plain.on_started(rid, started)
         done = rng.sample(head, min(len(head), rng.randint(1, 2)))
-        busy = rng.uniform(0.05, 0.5)
-        for router in (cached, plain):
-            router.on_batch(rid, done, busy)
-            for k in done:
-                router.on_finished(k)
+        finish_batch((cached, plain), rid, done, rng.uniform(0.05, 0.5))
         for k in done:
             del where[k]
             eid = k.split("/")[0]
