@@ -182,7 +182,7 @@ class RolloutConfig(_Strict):
     # runs; automatic collection is off (after a gc.freeze() of everything allocated before).
     # At thousands of live episodes the young generation holds the in-flight coroutines,
     # futures and turns of every episode, so even generation-0 collections stalled the loop
-    # (benchmarks/rollout_scale.py: p99 306 ms at 4,096 episodes before, 13-15 ms after); the
+    # (benchmarks/rollout_scale.py's overhead p99 at 4,096 episodes: see the README); the
     # episode path makes no reference cycles (tests/unit/test_rollout_aio_runner.py), so a rare
     # collection only guards against leaks from error paths. None leaves the collector alone.
     gc_every_s: float | None = Field(300.0, gt=0.0)
