@@ -24,6 +24,11 @@ Two regimes:
   so turns/s is the CPU's capacity; `two_shards_over_one` = saturated turns/s at 4,096, 2 shards
   over 1.
 
+The shards run the asyncio runner on its default loop, uvloop; one paced and one saturated point
+at 4,096 run the standard library's select loop (`rollout.event_loop: select`) for comparison
+(`headline.select_loop`). uvloop's timers have 1 ms resolution, so the emulated engine's and
+env's waits themselves end up to ~1 ms off their nominal times, which the overhead counts.
+
     .venv/bin/python benchmarks/rollout_scale.py --repeats 2   # -> results/rollout_scale.json
 """
 
@@ -102,7 +107,7 @@ def build(point: dict[str, Any], shard: int, chat: ChatFormat
         f"rollout.group_size={GROUP}", f"rollout.max_staleness={ALPHA}",
         "rollout.runner=asyncio", "rollout.batching=continuous", "rollout.batch_wait_s=0",
         "rollout.max_consecutive_failures=0", f"engine.replicas={point['replicas']}",
-        "iterations=100000"])
+        "iterations=100000", f"rollout.event_loop={point.get('event_loop', 'uvloop')}"])
     ids = chat.encode(ANSWER)[:1] * TOKENS
     engines = [EmulatedEngine(lat["call_s"], lat["token_s"], ids, ANSWER)
                for _ in range(point["replicas"])]
@@ -282,6 +287,9 @@ def grid(quick: bool) -> list[dict[str, Any]]:
         # the service tokenizing every observation itself (env hosts that send text only)
         pts.append({"regime": "paced", "episodes": 4096, "shards": 1, "replicas": 8,
                     "host_ids": False})
+    # the standard library's loop (rollout.event_loop: select) against the default uvloop
+    pts += [{"regime": r, "episodes": 4096, "shards": 1, "replicas": 8, "event_loop": "select"}
+            for r in ("paced", "saturated")]
     pts += [{"regime": "saturated", "episodes": 4096, "shards": s, "replicas": 8}
             for s in ((1, 2) if quick else (1, 2, 4))]
     return pts
@@ -321,14 +329,18 @@ def main() -> None:
 
 def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     def pick(**kw: Any) -> list[dict[str, Any]]:
-        return [r for r in runs if all(r[k] == v for k, v in kw.items())]
+        return [r for r in runs if all(r.get(k) == v for k, v in kw.items())]
 
     def med(rs: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r[key] for r in rs)
 
-    paced = [r for r in pick(regime="paced", episodes=4096, shards=1, replicas=8)
-             if r.get("host_ids", True)]
-    sat1 = pick(regime="saturated", shards=1)
+    def default(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in rs if r.get("host_ids", True) and "event_loop" not in r]
+
+    paced = default(pick(regime="paced", episodes=4096, shards=1, replicas=8))
+    sel = pick(regime="paced", episodes=4096, shards=1, replicas=8, event_loop="select")
+    sat1 = default(pick(regime="saturated", shards=1))
+    sat_sel = pick(regime="saturated", shards=1, event_loop="select")
     sat2 = pick(regime="saturated", shards=2)
     ratios = [b["turns_per_s"] / a["turns_per_s"] for a, b in zip(sat1, sat2, strict=True)]
     headline = {
@@ -338,6 +350,16 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "two_shards_over_one": statistics.median(ratios),
         "saturated_turns_per_s_1_shard": med(sat1, "turns_per_s"),
         "saturated_turns_per_s_2_shards": med(sat2, "turns_per_s"),
+        # uvloop against the standard library's select loop, per repeat (same run, back to back)
+        "select_loop": {
+            "overhead_p99_ms_4096": med(sel, "overhead_p99_ms"),
+            "overhead_p50_ms_4096": med(sel, "overhead_p50_ms"),
+            "cpu_per_turn_over_uvloop": statistics.median(
+                b["cpu_s_per_1000_turns"] / a["cpu_s_per_1000_turns"]
+                for a, b in zip(paced, sel, strict=True)),
+            "saturated_uvloop_over_select": statistics.median(
+                a["turns_per_s"] / b["turns_per_s"] for a, b in zip(sat1, sat_sel, strict=True)),
+        },
         "spread": {"turns_per_s_4096": [round(r["turns_per_s"]) for r in paced],
                    "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
                    "two_shards_over_one": [round(x, 3) for x in ratios]},

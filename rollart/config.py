@@ -6,6 +6,7 @@ the dotted path of the offending key. `load_config(path, overrides)` is the only
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -178,6 +179,11 @@ class RolloutConfig(_Strict):
     # episode a task on one event loop thread (rollart/rollout/aio_runner.py), thread count
     # independent of the number of episodes. Same scheduler, ledger and metrics.
     runner: Literal["threads", "asyncio"] = "threads"
+    # asyncio runner only: its event loop. "uvloop" (libuv, in C) spends less CPU per turn than
+    # the standard library's loop (benchmarks/rollout_scale.py compares them in one run; see the
+    # README), with timers of 1 ms resolution (a 2 ms `batch_wait_s` waits 2-3 ms). "select":
+    # the standard library's selector loop on select(2), microsecond timers.
+    event_loop: Literal["uvloop", "select"] = "uvloop"
     # asyncio runner only: seconds between the process's garbage collections while the loop
     # runs; automatic collection is off (after a gc.freeze() of everything allocated before).
     # At thousands of live episodes the young generation holds the in-flight coroutines,
@@ -201,6 +207,11 @@ class RolloutConfig(_Strict):
             raise ValueError(
                 "group_size must be >= 2: group-normalised advantages are all zero for groups of 1"
             )
+        if self.runner == "asyncio" and self.event_loop == "uvloop" \
+                and importlib.util.find_spec("uvloop") is None:
+            raise ValueError(
+                "rollout.event_loop=uvloop but uvloop is not installed: `pip install uvloop` "
+                "(a dependency of rollart on Linux and macOS), or set rollout.event_loop=select")
         if self.shards > self.num_groups:
             raise ValueError(
                 f"rollout.shards={self.shards} but rollout.num_groups={self.num_groups}: every "
