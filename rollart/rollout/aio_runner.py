@@ -5,8 +5,8 @@ plus one batcher thread per engine replica and a watchdog thread that scans ever
 each 50 ms. Here one event loop (one thread) runs them all:
 
     episode task   (one per live episode) open env -> [route -> batcher -> step env]* -> reward
-    batcher task   (one per engine replica) drains queued turns into one `generate` call;
-                   up to `engine.concurrent_calls` calls in flight (1 unless the engine says so)
+    batcher task   (one per engine replica, aio_batcher.py) drains queued turns into one
+                   `generate` call; up to `engine.concurrent_calls` calls in flight
     sweeper        fails an episode whose env call runs past `rollout.env_timeout_s` (it checks
                    the live episodes' deadlines every timeout / 20, 0.05 .. 1 s: a timer per env
                    call cost more than the sweep at thousands of episodes)
@@ -324,97 +324,3 @@ class AsyncRunner:
             if health.clock() > deadline:
                 raise health.none_left()
             await asyncio.sleep(0.05)
-
-
-class AsyncBatcher:
-    """EngineBatcher's twin on the loop: continuous (whatever is queued goes, after
-    `wait_s`), or lockstep when `members` is given (wait for a turn of each of the `members()`
-    live episodes on this engine; requests sorted by id)."""
-
-    def __init__(self, runner: AsyncRunner, engine: Any, max_batch: int, wait_s: float,
-                 members: Callable[[], int] | None = None,
-                 on_served: Callable[[list[str], float], None] | None = None) -> None:
-        self.runner, self.engine, self.max_batch, self.wait_s = runner, engine, max_batch, wait_s
-        self.members, self.on_served = members, on_served
-        self.queue: list[tuple[GenerationRequest, asyncio.Future, LiveEpisode]] = []
-        self.wake = asyncio.Event()
-        self.busy_s = 0.0
-        self.calls = 0
-        self.stopping = False
-
-    async def agenerate(self, request: GenerationRequest, live: LiveEpisode) -> Completion:
-        fut = self.runner.loop.create_future()
-        self.queue.append((request, fut, live))
-        self.wake.set()
-        return await fut
-
-    def _ready(self) -> bool:
-        if not self.queue:
-            return False
-        return self.members is None or len(self.queue) >= min(self.members(), self.max_batch)
-
-    def _fail_all(self, err: BaseException) -> None:
-        queued, self.queue = self.queue, []
-        for _, fut, _ in queued:
-            if not fut.done():
-                fut.set_exception(err)
-
-    def fail_queued(self, err: BaseException) -> None:
-        """The replica is lost: its queued turns go back to their episodes (thread-safe)."""
-        self.runner.in_loop(lambda: self._fail_all(err))
-
-    def stop(self) -> None:
-        def now() -> None:
-            self.stopping = True
-            self._fail_all(EpisodeCancelled())
-            self.wake.set()
-        self.runner.in_loop(now)
-
-    async def run(self) -> None:
-        slots = asyncio.Semaphore(max(1, int(getattr(self.engine, "concurrent_calls", 1))))
-        while True:
-            await slots.acquire()
-            while not self.stopping and not self._ready():
-                if self.members is not None:
-                    await asyncio.sleep(0.01)
-                else:
-                    self.wake.clear()
-                    await self.wake.wait()
-            if self.stopping:
-                return
-            if self.members is None and self.wait_s and len(self.queue) < self.max_batch:
-                await asyncio.sleep(self.wait_s)  # let other episodes' turns join this batch
-            queued = sorted(self.queue, key=lambda x: x[0].request_id) if self.members \
-                else self.queue
-            items, self.queue = queued[: self.max_batch], queued[self.max_batch:]
-            for _, fut, live in items:
-                if live.cancelled and not fut.done():
-                    fut.set_exception(EpisodeCancelled())
-            items = [x for x in items if not x[1].done()]
-            if not items:
-                slots.release()
-                continue
-            self.runner._keep(self.runner.loop.create_task(self._serve(items, slots)))
-
-    async def _serve(self, items: list[tuple[GenerationRequest, asyncio.Future, LiveEpisode]],
-                     slots: asyncio.Semaphore) -> None:
-        t0 = time.perf_counter()
-        try:
-            out = await self.runner.call(self.engine, "generate", [r for r, _, _ in items])
-        except Exception as err:  # the episodes decide: re-issue (replica lost) or fail
-            self.busy_s += time.perf_counter() - t0
-            self.calls += 1
-            for _, fut, _ in items:
-                if not fut.done():
-                    fut.set_exception(err)
-            return  # no `on_served`: a failed call's time says nothing of the replica
-        finally:
-            slots.release()
-        busy = time.perf_counter() - t0
-        self.busy_s += busy
-        self.calls += 1
-        if self.on_served is not None:
-            self.on_served([r.request_id for r, _, _ in items], busy)
-        for (_, fut, _), comp in zip(items, out, strict=True):
-            if not fut.done():
-                fut.set_result(comp)

@@ -34,7 +34,8 @@ from typing import Any
 from rollart.config import RunConfig
 from rollart.metrics import TrajStats, traj_stats
 from rollart.models.chat import ChatFormat
-from rollart.rollout.aio_runner import AsyncBatcher, AsyncRunner
+from rollart.rollout.aio_batcher import AsyncBatcher
+from rollart.rollout.aio_runner import AsyncRunner
 from rollart.rollout.batcher import EngineBatcher, LiveEpisode, call
 from rollart.rollout.failover import EngineHealth
 from rollart.rollout.plan import plan_namer
