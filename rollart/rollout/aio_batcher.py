@@ -31,10 +31,27 @@ class AsyncBatcher:
         self.busy_s = 0.0
         self.calls = 0
         self.stopping = False
+        # generate calls in flight at once: 1 unless the engine takes concurrent calls (a
+        # continuous-batching server: it batches them itself)
+        self.concurrent = max(1, int(getattr(engine, "concurrent_calls", 1)))
+        self.slots = asyncio.Semaphore(self.concurrent)
+        self.direct = members is None and not wait_s and self.concurrent > 1
+        self.direct_calls = 0
 
     async def agenerate(self, request: GenerationRequest, live: LiveEpisode) -> Completion:
         fut = self.runner.loop.create_future()
-        self.queue.append((request, fut, live))
+        item = (request, fut, live)
+        if self.direct and not self.queue and not self.stopping and not self.slots.locked():
+            # An engine that batches concurrent calls itself, a call slot free, nothing queued
+            # and no batch wait: the turn is a call of its own, awaited in the episode's task.
+            # Through the batcher it waits for the batcher's wake-up, the call's own task, and
+            # the episode's wake-up once the call is back: three loop iterations more, each
+            # behind everything else the loop runs then (the overhead p99 at 4,096 episodes).
+            await self.slots.acquire()  # a free slot: returns at once
+            await self._serve([item], self.slots)
+            self.direct_calls += 1  # as `calls`: a call counts once it is back
+            return fut.result()
+        self.queue.append(item)
         self.wake.set()
         return await fut
 
@@ -61,7 +78,7 @@ class AsyncBatcher:
         self.runner.in_loop(now)
 
     async def run(self) -> None:
-        slots = asyncio.Semaphore(max(1, int(getattr(self.engine, "concurrent_calls", 1))))
+        slots = self.slots
         while True:
             await slots.acquire()
             while not self.stopping and not self._ready():
@@ -84,7 +101,10 @@ class AsyncBatcher:
             if not items:
                 slots.release()
                 continue
-            self.runner._keep(self.runner.loop.create_task(self._serve(items, slots)))
+            if self.concurrent == 1:  # the next batch waits for this call anyway: no task
+                await self._serve(items, slots)
+            else:
+                self.runner._keep(self.runner.loop.create_task(self._serve(items, slots)))
 
     async def _serve(self, items: list[tuple[GenerationRequest, asyncio.Future, LiveEpisode]],
                      slots: asyncio.Semaphore) -> None:

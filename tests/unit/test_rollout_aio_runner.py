@@ -31,13 +31,14 @@ def chat():
     return ChatFormat(build_tokenizer(make_env(cfg.tasks[0]).corpus_texts(episodes=3), 320))
 
 
-def _service(chat, event_loop: str = "uvloop") -> RolloutService:
+def _service(chat, event_loop: str = "uvloop", engine_cls: type = EmulatedEngine
+             ) -> RolloutService:
     cfg = load_config(None, [
         "tasks=[{name: a, env_id: FrozenLake-v1}]", "rollout.num_groups=16",
         "rollout.group_size=2", "rollout.max_staleness=1", "rollout.runner=asyncio",
         "rollout.batching=continuous", "rollout.batch_wait_s=0", "engine.replicas=2",
         "iterations=10", f"rollout.event_loop={event_loop}"])
-    engines = [EmulatedEngine(0.002, 0.0, chat.encode(ANSWER), ANSWER) for _ in range(2)]
+    engines = [engine_cls(0.002, 0.0, chat.encode(ANSWER), ANSWER) for _ in range(2)]
     return RolloutService(cfg, chat, engines, [EmulatedEnvHost(0.002, 2, 3, chat=chat)],
                           LocalRewardClient(), {"a": SamplingParams(max_new_tokens=8)})
 
@@ -142,3 +143,74 @@ def test_new_episodes_start_paced_not_a_batch_at_once(chat, monkeypatch, event_l
             assert t1 - t0 >= 0.001 * 0.9  # count whole ms of a clock read once per iteration
     n_until_64 = next(i for i in range(len(slices)) if sum(n for _, n in slices[: i + 1]) >= 64)
     assert slices[n_until_64][0] - slices[0][0] >= (64 - 8) / 2000 * 0.9  # the rate held
+
+
+class OneCallAtATime(EmulatedEngine):
+    concurrent_calls = 1  # an engine that batches nothing itself (the HF engine, say)
+
+
+class LostAtOnce(EmulatedEngine):
+    """Replica 0's worker is gone from the start: every call fails as a lost actor's does."""
+
+    lost = False
+
+    async def generate(self, requests):
+        if self.lost:
+            raise OSError("Unable to contact Actor's worker")
+        return await super().generate(requests)
+
+
+def _take(svc: RolloutService, updates: int) -> list[str]:
+    ids: list[str] = []
+    for u in range(updates):
+        trajs, _ = svc.take_batch(u, timeout=30)
+        ids += [t.sample_id for t in trajs]
+        svc.set_version(u + 1)
+    return ids
+
+
+def test_a_turn_goes_straight_to_an_engine_that_takes_concurrent_calls(chat):
+    """With call slots free, nothing queued and no batch wait, a turn is its own call, awaited
+    in the episode's task (no batcher round trip): one request per call, every call direct."""
+    svc = _service(chat)
+    assert all(b.direct for b in svc.batchers)
+    svc.start()
+    try:
+        ids = _take(svc, 2)
+    finally:
+        svc.stop()
+    assert len(ids) == len(set(ids)) == 64
+    engines = [b.engine for b in svc.batchers]
+    assert sum(e.calls for e in engines) > 0
+    for b, e in zip(svc.batchers, engines, strict=True):
+        assert b.direct_calls == b.calls == e.calls == e.requests
+
+
+def test_an_engine_of_one_call_at_a_time_still_gets_batches(chat):
+    """Such an engine's turns wait in the batcher's queue while a call runs and go together:
+    some calls carry several requests, none go direct."""
+    svc = _service(chat, engine_cls=OneCallAtATime)
+    assert not any(b.direct for b in svc.batchers)
+    svc.start()
+    try:
+        ids = _take(svc, 2)
+    finally:
+        svc.stop()
+    assert len(ids) == len(set(ids)) == 64
+    engines = [b.engine for b in svc.batchers]
+    assert all(b.direct_calls == 0 for b in svc.batchers)
+    assert sum(e.requests for e in engines) > sum(e.calls for e in engines)
+
+
+def test_a_direct_call_to_a_lost_replica_is_reissued_on_another(chat):
+    svc = _service(chat, engine_cls=LostAtOnce)
+    svc.batchers[0].engine.lost = True
+    svc.start()
+    try:
+        ids = _take(svc, 2)
+    finally:
+        svc.stop()
+    assert len(ids) == len(set(ids)) == 64
+    assert svc.health.lost_indices() == [0]
+    assert svc.totals.counters["turns_reissued"] > 0
+    assert svc.batchers[1].engine.calls > 0 and svc.batchers[0].engine.calls == 0
