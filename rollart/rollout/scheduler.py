@@ -254,7 +254,9 @@ class RolloutScheduler:
         self.complete = [gid for gid in ready if gid not in picked]
         self.counters["groups_consumed"] += len(batch)
         self.next_update = update + 1
-        return {gid: self._remove(self.groups[gid]).finished for gid in batch}
+        out = {gid: self._remove(self.groups[gid], prune=False).finished for gid in batch}
+        self._prune_versions()
+        return out
 
     def _drop_stale(self, update: int) -> list[Cancel]:
         cancels: list[Cancel] = []
@@ -273,17 +275,22 @@ class RolloutScheduler:
         self._versions[g.start_version] += 1
         self._open[g.start_version] += not g.complete(self.cfg.group_size)
 
-    def _remove(self, g: GroupState) -> GroupState:
+    def _remove(self, g: GroupState, prune: bool = True) -> GroupState:
+        """`prune=False`: the caller removes many groups and calls `_prune_versions` once."""
         del self.groups[g.group_id]
         self._per_task[g.task] -= 1
         self._versions[g.start_version] -= 1
         self._open[g.start_version] -= not g.complete(self.cfg.group_size)
-        for v in [v for v, n in self._versions.items() if n <= 0]:  # at most a few versions
-            del self._versions[v]
-            self._open.pop(v, None)
+        if prune:
+            self._prune_versions()
         for e in (*g.finished, *g.running):  # a late event of theirs finds no group either way
             self.episode_group.pop(e, None)
         return g
+
+    def _prune_versions(self) -> None:
+        for v in [v for v, n in self._versions.items() if n <= 0]:  # at most a few versions
+            del self._versions[v]
+            self._open.pop(v, None)
 
     def _drop(self, g: GroupState, reason: str) -> list[Cancel]:
         if self.groups.get(g.group_id) is g:

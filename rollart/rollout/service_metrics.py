@@ -31,7 +31,8 @@ def service_metrics(svc: Any, trajs: list[Trajectory], stats: list[TrajStats] | 
     m["rollout/engines_serving"] = float(len(svc.health.alive_indices()))
     m["rollout/in_flight"] = float(len(svc.live))
     m["rollout/groups_ready"] = float(len(svc.sched.complete))
-    versions = [t.turns[0].weight_version for t in trajs if t.turns]
+    versions = [s.start_version for s in stats if s.start_version >= 0] if stats is not None \
+        else [t.turns[0].weight_version for t in trajs if t.turns]
     if versions:
         m["rollout/start_version_min"] = float(min(versions))
     m.update(svc.routing.metrics())

@@ -49,3 +49,11 @@ def test_precomputed_stats_give_the_same_metrics():
     stats = [traj_stats(t) for t in trajs]
     assert rollout_metrics(trajs, stats=stats) == rollout_metrics(trajs)
     assert rollout_metrics([], stats=[])["rollout/episodes"] == 0.0
+
+
+def test_stats_keep_the_policy_version_of_the_first_turn():
+    t = batch()[0]
+    t.turns[0].weight_version, t.turns[1].weight_version = 4, 5
+    assert traj_stats(t).start_version == 4
+    t.turns = []  # an episode that failed before its first turn
+    assert traj_stats(t).start_version == -1
