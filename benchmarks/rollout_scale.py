@@ -72,6 +72,13 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _host_steal_s() -> float:
+    """CPU seconds the hypervisor gave to other guests, all cores (/proc/stat `steal`)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def _runqueue_wait_s() -> float:
     """Seconds this process's threads were runnable but waiting for a CPU (other processes on
     the core): /proc/self/task/*/schedstat, second field."""
@@ -238,11 +245,12 @@ def run_point(point: dict[str, Any], chat: ChatFormat, warmup: float, window: fl
     time.sleep(warmup)
     for p in proxies:
         p.ask("mark")
-    cpu0, u0 = time.process_time(), updates[0]
+    cpu0, u0, steal0 = time.process_time(), updates[0], _host_steal_s()
     time.sleep(window)
     for p in proxies:
         p.ask("mark")
     coord_cpu, batches = time.process_time() - cpu0, updates[0] - u0
+    steal = _host_steal_s() - steal0
     reps = [p.ask("report") for p in proxies]
     stop.set()
     th.join()
@@ -270,6 +278,9 @@ def run_point(point: dict[str, Any], chat: ChatFormat, warmup: float, window: fl
             # share of the window a shard's threads waited for a core held by someone else
             "shard_runqueue_wait_share": [r["runqueue_wait_s"] / r["window_s"] for r in reps],
             "coordinator_cpu_util": coord_cpu / window, "batches": batches,
+            # share of the host's cores the hypervisor gave to other guests in the window (a
+            # virtual machine's noisy neighbours: the p99 moves with it)
+            "host_steal_share": steal / (window * (os.cpu_count() or 1)),
             "samples_consumed": len(samples), "samples_unique": len(set(samples)),
             "max_staleness_seen": max(p.max_lag for p in proxies),
             "counters": stats["counters"]}
@@ -315,8 +326,8 @@ def main() -> None:
             print(f"rep {rep} {point}: {r['turns_per_s']:.0f} turns/s, overhead p50/p99 "
                   f"{r['overhead_p50_ms']:.2f}/{r['overhead_p99_ms']:.2f} ms, live "
                   f"{r['live_mean']:.0f}, cpu/1k turns {r['cpu_s_per_1000_turns']:.3f} s, "
-                  f"util {r['shard_cpu_util']}, runqueue wait {r['shard_runqueue_wait_share']}",
-                  flush=True)
+                  f"util {r['shard_cpu_util']}, runqueue wait {r['shard_runqueue_wait_share']}, "
+                  f"host steal {r['host_steal_share']:.3f}", flush=True)
     out = summarise(runs, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
@@ -362,6 +373,7 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         },
         "spread": {"turns_per_s_4096": [round(r["turns_per_s"]) for r in paced],
                    "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
+                   "host_steal_share_4096": [round(r["host_steal_share"], 3) for r in paced],
                    "two_shards_over_one": [round(x, 3) for x in ratios]},
     }
     return {"headline": headline, "runs": runs,
