@@ -9,14 +9,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rollart.rollout.batcher import EpisodeCancelled, LiveEpisode
+from rollart.rollout.batcher import CallOutcome, EpisodeCancelled, LiveEpisode
 from rollart.types import Completion, GenerationRequest
 
 if TYPE_CHECKING:
     from rollart.rollout.aio_runner import AsyncRunner
 
 
-class AsyncBatcher:
+class AsyncBatcher(CallOutcome):
     """EngineBatcher's twin on the loop: continuous (whatever is queued goes, after
     `wait_s`), or lockstep when `members` is given (wait for a turn of each of the `members()`
     live episodes on this engine; requests sorted by id)."""
@@ -111,20 +111,9 @@ class AsyncBatcher:
         t0 = time.perf_counter()
         try:
             out = await self.runner.call(self.engine, "generate", [r for r, _, _ in items])
-        except Exception as err:  # the episodes decide: re-issue (replica lost) or fail
-            self.busy_s += time.perf_counter() - t0
-            self.calls += 1
-            for _, fut, _ in items:
-                if not fut.done():
-                    fut.set_exception(err)
-            return  # no `on_served`: a failed call's time says nothing of the replica
+        except Exception as err:  # noqa: BLE001 - the episodes decide (CallOutcome)
+            self._failed(items, err, t0)
+            return
         finally:
             slots.release()
-        busy = time.perf_counter() - t0
-        self.busy_s += busy
-        self.calls += 1
-        if self.on_served is not None:
-            self.on_served([r.request_id for r, _, _ in items], busy)
-        for (_, fut, _), comp in zip(items, out, strict=True):
-            if not fut.done():
-                fut.set_result(comp)
+        self._served(items, out, t0)

@@ -20,11 +20,40 @@ from rollart.handles import call
 from rollart.rollout.scheduler import Start
 from rollart.types import Completion, GenerationRequest
 
-__all__ = ["EngineBatcher", "EpisodeCancelled", "LiveEpisode", "call"]
+__all__ = ["CallOutcome", "EngineBatcher", "EpisodeCancelled", "LiveEpisode", "call"]
 
 
 class EpisodeCancelled(Exception):
     """The episode was cancelled (redundant, stale, timed out) while its request was queued."""
+
+
+class CallOutcome:
+    """What both runners' batchers do with a `generate` call's outcome. `items` are the
+    call's (request, future, episode) triples; `t0` the perf_counter time the call began."""
+
+    busy_s: float
+    calls: int
+    on_served: Callable[[list[str], float], None] | None
+
+    def _failed(self, items: list[tuple[Any, Any, Any]], err: BaseException, t0: float) -> None:
+        """The episodes decide: re-issue (replica lost) or fail. No `on_served`: a failed
+        call's time says nothing of the replica."""
+        self.busy_s += time.perf_counter() - t0
+        self.calls += 1
+        for _, fut, _ in items:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _served(self, items: list[tuple[Any, Any, Any]], out: list[Completion], t0: float
+                ) -> None:
+        busy = time.perf_counter() - t0
+        self.busy_s += busy
+        self.calls += 1
+        if self.on_served is not None:
+            self.on_served([r.request_id for r, _, _ in items], busy)
+        for (_, fut, _), comp in zip(items, out, strict=True):
+            if not fut.done():  # a turn failed or cancelled meanwhile
+                fut.set_result(comp)
 
 
 @dataclass
@@ -40,7 +69,7 @@ class LiveEpisode:
         return self.start.episode_id
 
 
-class EngineBatcher:
+class EngineBatcher(CallOutcome):
     """Batches the turns of many episodes for one engine replica: continuous (whatever is
     ready goes), or lockstep when `members` is given (wait for a turn of each of the `members()`
     live episodes on this engine; requests sorted by id, so batches are deterministic)."""
@@ -111,16 +140,7 @@ class EngineBatcher:
             t0 = time.perf_counter()
             try:
                 out = call(self.engine, "generate", [r for r, _, _ in items])
-            except Exception as err:  # the episodes decide: re-issue (replica lost) or fail
-                self.busy_s += time.perf_counter() - t0
-                self.calls += 1
-                for _, fut, _ in items:
-                    fut.set_exception(err)
-                continue  # no `on_served`: a failed call's time says nothing of the replica
-            busy = time.perf_counter() - t0
-            self.busy_s += busy
-            self.calls += 1
-            if self.on_served is not None:
-                self.on_served([r.request_id for r, _, _ in items], busy)
-            for (_, fut, _), comp in zip(items, out, strict=True):
-                fut.set_result(comp)
+            except Exception as err:  # noqa: BLE001 - the episodes decide (CallOutcome)
+                self._failed(items, err, t0)
+                continue
+            self._served(items, out, t0)

@@ -160,13 +160,19 @@ class LostAtOnce(EmulatedEngine):
         return await super().generate(requests)
 
 
-def _take(svc: RolloutService, updates: int) -> list[str]:
+def _run_two_batches(svc: RolloutService) -> list:
+    """Start `svc`, take two batches (64 episodes), stop; each sample id once. The engines."""
     ids: list[str] = []
-    for u in range(updates):
-        trajs, _ = svc.take_batch(u, timeout=30)
-        ids += [t.sample_id for t in trajs]
-        svc.set_version(u + 1)
-    return ids
+    svc.start()
+    try:
+        for u in range(2):
+            trajs, _ = svc.take_batch(u, timeout=30)
+            ids += [t.sample_id for t in trajs]
+            svc.set_version(u + 1)
+    finally:
+        svc.stop()
+    assert len(ids) == len(set(ids)) == 64
+    return [b.engine for b in svc.batchers]
 
 
 def test_a_turn_goes_straight_to_an_engine_that_takes_concurrent_calls(chat):
@@ -174,13 +180,7 @@ def test_a_turn_goes_straight_to_an_engine_that_takes_concurrent_calls(chat):
     in the episode's task (no batcher round trip): one request per call, every call direct."""
     svc = _service(chat)
     assert all(b.direct for b in svc.batchers)
-    svc.start()
-    try:
-        ids = _take(svc, 2)
-    finally:
-        svc.stop()
-    assert len(ids) == len(set(ids)) == 64
-    engines = [b.engine for b in svc.batchers]
+    engines = _run_two_batches(svc)
     assert sum(e.calls for e in engines) > 0
     for b, e in zip(svc.batchers, engines, strict=True):
         assert b.direct_calls == b.calls == e.calls == e.requests
@@ -191,13 +191,7 @@ def test_an_engine_of_one_call_at_a_time_still_gets_batches(chat):
     some calls carry several requests, none go direct."""
     svc = _service(chat, engine_cls=OneCallAtATime)
     assert not any(b.direct for b in svc.batchers)
-    svc.start()
-    try:
-        ids = _take(svc, 2)
-    finally:
-        svc.stop()
-    assert len(ids) == len(set(ids)) == 64
-    engines = [b.engine for b in svc.batchers]
+    engines = _run_two_batches(svc)
     assert all(b.direct_calls == 0 for b in svc.batchers)
     assert sum(e.requests for e in engines) > sum(e.calls for e in engines)
 
@@ -205,12 +199,7 @@ def test_an_engine_of_one_call_at_a_time_still_gets_batches(chat):
 def test_a_direct_call_to_a_lost_replica_is_reissued_on_another(chat):
     svc = _service(chat, engine_cls=LostAtOnce)
     svc.batchers[0].engine.lost = True
-    svc.start()
-    try:
-        ids = _take(svc, 2)
-    finally:
-        svc.stop()
-    assert len(ids) == len(set(ids)) == 64
+    _run_two_batches(svc)
     assert svc.health.lost_indices() == [0]
     assert svc.totals.counters["turns_reissued"] > 0
     assert svc.batchers[1].engine.calls > 0 and svc.batchers[0].engine.calls == 0
