@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollart.metrics import TrajStats, rollout_metrics
+from rollart.metrics import TrajStats, rollout_metrics, traj_stats
 from rollart.types import Trajectory
 
 
@@ -13,6 +13,8 @@ def service_metrics(svc: Any, trajs: list[Trajectory], stats: list[TrajStats] | 
                     ) -> dict[str, float]:
     """Metrics of a batch `trajs` taken from RolloutService `svc` (its counters since the
     start; `rollout/failed` since the previous batch); `stats`: their `traj_stats`."""
+    if stats is None:
+        stats = [traj_stats(t) for t in trajs]
     m = rollout_metrics(trajs, stats=stats)
     c = svc.totals.counters + svc.sched.counters
     for key in ("timeouts", "retried", "cancelled_redundant", "cancelled_stale",
@@ -31,8 +33,7 @@ def service_metrics(svc: Any, trajs: list[Trajectory], stats: list[TrajStats] | 
     m["rollout/engines_serving"] = float(len(svc.health.alive_indices()))
     m["rollout/in_flight"] = float(len(svc.live))
     m["rollout/groups_ready"] = float(len(svc.sched.complete))
-    versions = [s.start_version for s in stats if s.start_version >= 0] if stats is not None \
-        else [t.turns[0].weight_version for t in trajs if t.turns]
+    versions = [s.start_version for s in stats if s.start_version >= 0]
     if versions:
         m["rollout/start_version_min"] = float(min(versions))
     m.update(svc.routing.metrics())
