@@ -374,6 +374,14 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "spread": {"turns_per_s_4096": [round(r["turns_per_s"]) for r in paced],
                    "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
                    "host_steal_share_4096": [round(r["host_steal_share"], 3) for r in paced],
+                   "select_loop_overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2)
+                                                        for r in sel],
+                   "select_loop_cpu_per_turn_over_uvloop": [
+                       round(b["cpu_s_per_1000_turns"] / a["cpu_s_per_1000_turns"], 3)
+                       for a, b in zip(paced, sel, strict=True)],
+                   "saturated_uvloop_over_select": [
+                       round(a["turns_per_s"] / b["turns_per_s"], 3)
+                       for a, b in zip(sat1, sat_sel, strict=True)],
                    "two_shards_over_one": [round(x, 3) for x in ratios]},
     }
     return {"headline": headline, "runs": runs,
