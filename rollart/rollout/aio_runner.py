@@ -160,15 +160,21 @@ class AsyncRunner:
         if start + size < len(lives):
             self.loop.call_soon(self._launch_slice, lives, start + size, size)
 
-    def release(self, objs: list[Any], slice_size: int = 32) -> None:
-        """Drop `objs` (a list no one else holds) on the loop, `slice_size` per iteration:
-        their deallocation, spread between the turns in flight."""
-        self.in_loop(partial(self._release_slice, objs, slice_size))
+    # Freeing a trajectory (thousands of token ids and log-probs) takes ~15 us: a batch of 512,
+    # ~8 ms. Slices of RELEASE_SLICE at least RELEASE_GAP_S apart keep it below a few percent of
+    # the loop (32 per iteration, back to back, held every turn in flight behind ~0.5 ms slices
+    # for the ~16 ms after each take: the overhead p99 of benchmarks/rollout_scale.py).
+    RELEASE_SLICE, RELEASE_GAP_S = 8, 0.001
 
-    def _release_slice(self, objs: list[Any], size: int) -> None:
-        del objs[-size:]
+    def release(self, objs: list[Any]) -> None:
+        """Drop `objs` (a list no one else holds) on the loop, a slice at a time: their
+        deallocation, spread between the turns in flight."""
+        self.in_loop(partial(self._release_slice, objs))
+
+    def _release_slice(self, objs: list[Any]) -> None:
+        del objs[-self.RELEASE_SLICE:]
         if objs:
-            self.loop.call_soon(self._release_slice, objs, size)
+            self.loop.call_later(self.RELEASE_GAP_S, self._release_slice, objs)
 
     def stop(self) -> None:
         if self.thread is None:

@@ -108,6 +108,7 @@ class RolloutService(ReplicaFailures):
         self.on_host: Counter[int] = Counter()
         self._filling = False  # asyncio: a sliced fill is under way on the loop (`_fill`)
         self._last_fill = 0.0  # monotonic time of the last fill slice (`START_RATE`)
+        self._start_budget = 0.0  # episodes the start rate allows and no slice started yet
         self.done: dict[str, Trajectory] = {}
         self.done_stats: dict[str, TrajStats] = {}  # of `done`: the batch metrics' inputs
         self.totals = _Totals()
@@ -252,12 +253,13 @@ class RolloutService(ReplicaFailures):
             self.runner.in_loop(self._fill_slice)
 
     # asyncio runner: new episodes start at START_RATE per second at most, in slices at least
-    # START_GAP_S apart, each holding what the rate allows since the previous slice (at least
-    # one group; the first slice of a fill START_BURST_S of it). A batch's worth of groups
-    # started at once (512 episodes after a take at 4,096) put tens of milliseconds of work on
-    # the loop, every turn in flight waiting behind it (benchmarks/rollout_scale.py's overhead
-    # p99); a loop saturated with turns runs slices far apart, and they grow to keep the rate.
-    START_RATE, START_GAP_S, START_BURST_S = 8000.0, 0.001, 0.004
+    # START_GAP_S apart, each holding the whole groups the rate allows since the previous slice
+    # (what is left of a group carries over; the first slice of a fill START_BURST_S of it).
+    # A batch's worth of groups started at once (512 episodes after a take at 4,096) put tens
+    # of milliseconds of work on the loop, every turn in flight waiting behind it
+    # (benchmarks/rollout_scale.py's overhead p99); a loop saturated with turns runs slices far
+    # apart, and they grow to keep the rate.
+    START_RATE, START_GAP_S, START_BURST_S = 2000.0, 0.001, 0.004
 
     def _fill_slice(self, continued: bool = False) -> None:
         def now() -> None:
@@ -265,15 +267,22 @@ class RolloutService(ReplicaFailures):
                 self._filling = False
                 return
             t = time.monotonic()
-            since = min(t - self._last_fill, 1.0) if continued else self.START_BURST_S
+            if continued:
+                self._start_budget += min(t - self._last_fill, 1.0) * self.START_RATE
+            else:
+                self._start_budget = self.START_BURST_S * self.START_RATE
             self._last_fill = t
             per_group = self.cfg.rollout.group_size + self.cfg.rollout.redundancy
-            groups = max(1, int(since * self.START_RATE) // per_group)
-            before = self.sched.counters["groups_started"]
-            self._launch(self.sched.fill(max_groups=groups))
-            if self.sched.counters["groups_started"] - before < groups:
+            groups = int(self._start_budget // per_group)
+            started = 0
+            if groups:
+                before = self.sched.counters["groups_started"]
+                self._launch(self.sched.fill(max_groups=groups))
+                started = self.sched.counters["groups_started"] - before
+                self._start_budget -= started * per_group
+            if started < groups:
                 self._filling = False  # capacity reached: the next event asks again
-            else:
+            else:  # (no whole group allowed yet: the next slice)
                 self.runner.loop.call_later(self.START_GAP_S, self._fill_slice, True)
         self.runner._locked(now)
 
