@@ -27,7 +27,11 @@ Two regimes:
 The shards run the asyncio runner on its default loop, uvloop; one paced and one saturated point
 at 4,096 run the standard library's select loop (`rollout.event_loop: select`) for comparison
 (`headline.select_loop`). uvloop's timers have 1 ms resolution, so the emulated engine's and
-env's waits themselves end up to ~1 ms off their nominal times, which the overhead counts.
+env's waits themselves end up to ~1 ms off their nominal times, which the overhead counts; the
+select loop's (select(2), microsecond timeouts) are exact. After each of those two paced points
+at 4,096, the same waits run with no service at all, as many pseudo-episodes as the point kept
+live (benchmarks/rollout_floor.py): `headline.emulation_floor`, the overhead p99 a turn that
+cost the loop nothing would show on that loop.
 
     .venv/bin/python benchmarks/rollout_scale.py --repeats 2   # -> results/rollout_scale.json
 """
@@ -49,6 +53,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from rollout_floor import floor_point  # noqa: E402
 
 from rollart.config import load_config  # noqa: E402
 from rollart.envs import make_env  # noqa: E402
@@ -306,6 +312,11 @@ def grid(quick: bool) -> list[dict[str, Any]]:
     return pts
 
 
+def _with_floor(point: dict[str, Any]) -> bool:
+    return (point["regime"] == "paced" and point["episodes"] == 4096 and point["shards"] == 1
+            and point["replicas"] == 8 and point.get("host_ids", True))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
@@ -322,6 +333,12 @@ def main() -> None:
             sat = point["regime"] == "saturated"
             r = run_point(point, chat, 4.0 if sat else args.warmup, 5.0 if sat else args.window)
             r["repeat"] = rep
+            if _with_floor(point):  # the same waits with no service, at the same live count
+                lat = REGIMES["paced"]
+                r["emulation_floor"] = floor_point(
+                    round(r["live_mean"]), lat["call_s"] + lat["token_s"] * TOKENS,
+                    lat["step_s"], point.get("event_loop", "uvloop"), window=args.window)
+                print(f"  emulation floor (no service): {r['emulation_floor']}", flush=True)
             runs.append(r)
             print(f"rep {rep} {point}: {r['turns_per_s']:.0f} turns/s, overhead p50/p99 "
                   f"{r['overhead_p50_ms']:.2f}/{r['overhead_p99_ms']:.2f} ms, live "
@@ -335,6 +352,9 @@ def main() -> None:
     print(f"rollout_scale: turns_per_s_4096={h['turns_per_s_4096']:.0f} "
           f"overhead_p99_ms_4096={h['overhead_p99_ms_4096']:.2f} "
           f"two_shards_over_one={h['two_shards_over_one']:.2f} "
+          f"(select loop: overhead_p99_ms_4096={h['select_loop']['overhead_p99_ms_4096']:.2f}; "
+          f"emulation floor p99 {h['emulation_floor']['overhead_p99_ms_4096']:.2f} uvloop, "
+          f"{h['emulation_floor']['select_loop_overhead_p99_ms_4096']:.2f} select) "
           f"(spread over {args.repeats} repeats: {h['spread']})")
 
 
@@ -371,7 +391,17 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             "saturated_uvloop_over_select": statistics.median(
                 a["turns_per_s"] / b["turns_per_s"] for a, b in zip(sat1, sat_sel, strict=True)),
         },
+        # the emulation's own share (benchmarks/rollout_floor.py): the same waits on the same
+        # loop with no service, as many live; uvloop's millisecond timers set most of it
+        "emulation_floor": {
+            "overhead_p99_ms_4096": med([r["emulation_floor"] for r in paced], "overhead_p99_ms"),
+            "select_loop_overhead_p99_ms_4096": med([r["emulation_floor"] for r in sel],
+                                                    "overhead_p99_ms")},
         "spread": {"turns_per_s_4096": [round(r["turns_per_s"]) for r in paced],
+                   "emulation_floor_p99_ms_4096": [
+                       round(r["emulation_floor"]["overhead_p99_ms"], 2) for r in paced],
+                   "select_loop_emulation_floor_p99_ms_4096": [
+                       round(r["emulation_floor"]["overhead_p99_ms"], 2) for r in sel],
                    "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
                    "host_steal_share_4096": [round(r["host_steal_share"], 3) for r in paced],
                    "select_loop_overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2)
