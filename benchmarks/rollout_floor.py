@@ -19,26 +19,28 @@ import multiprocessing as mp
 import os
 import random
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from rollart.rollout.aio_runner import new_loop
-from rollart.rollout.emulated import EmulatedEnvHost
+from rollart.rollout.emulated import EmulatedEnvHost, WaitClock
 
 
 async def _episodes(k: int, engine_s: float, host: EmulatedEnvHost, spread_s: float,
                     warm_until: float, stop_at: float, out: list[float]) -> None:
-    await asyncio.sleep(random.Random(k).uniform(0.0, spread_s))  # not in lockstep
+    sleep = partial(WaitClock.sleep, host)  # the emulated hosts' own waits, nothing else
+    await sleep(random.Random(k).uniform(0.0, spread_s))  # not in lockstep
     gen = 0
     while True:
         eid = f"floor{k}-{gen}"
-        await asyncio.sleep(host.nominal_s(eid, -1))  # the reset
+        await sleep(host.nominal_s(eid, -1))  # the reset
         for turn in range(host.turns(k + gen)):
             step_s = host.nominal_s(eid, turn)
             t0 = time.perf_counter()
-            await asyncio.sleep(engine_s)
-            await asyncio.sleep(step_s)
+            await sleep(engine_s)
+            await sleep(step_s)
             t1 = time.perf_counter()
             if t1 > stop_at:
                 return
