@@ -1,4 +1,4 @@
-"""The emulation's own share of rollout_scale.py's per-turn overhead.
+"""rollout_scale.py's per-turn overhead with no service: the emulated waits alone.
 
 rollout_scale subtracts the emulated engine's and env's nominal times from each turn's latency;
 their waits are the loop's own timers (rollart/rollout/emulated.py), and uvloop's count whole
@@ -6,9 +6,10 @@ milliseconds of a clock read once per loop iteration, so each wait ends up to ~1
 nominal time whatever the service does. This runs the same waits with no service at all: `live`
 pseudo-episodes on one loop (one process, pinned to core 0 like shard 0), each a reset wait and
 then turns of an engine wait and an env step wait with the paced regime's nominal times (the same
-per-episode jitter), and reports latency minus nominal per turn. Its percentiles are the floor
-under the service's figures at the same turn rate: what a turn that cost the loop nothing would
-still measure.
+per-episode jitter), and reports latency minus nominal per turn: what the loop's timers and the
+host's wake-ups give a turn that costs nothing. Not a lower bound for the service's figures on
+a virtual machine: this loop sleeps most of the time (~17 % busy on uvloop), and a sleeping
+vCPU wakes late when the host has given its core away (the service's busier loop sleeps less).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ env's waits themselves end up to ~1 ms off their nominal times, which the overhe
 select loop's (select(2), microsecond timeouts) are exact. After each of those two paced points
 at 4,096, the same waits run with no service at all, as many pseudo-episodes as the point kept
 live (benchmarks/rollout_floor.py): `headline.emulation_floor`, the overhead p99 a turn that
-cost the loop nothing would show on that loop.
+cost the loop nothing would show on that loop (and on this VM, where a sleeping vCPU wakes late,
+more than that whenever the host is busy: see rollout_floor.py).
 
     .venv/bin/python benchmarks/rollout_scale.py --repeats 2   # -> results/rollout_scale.json
 """
