@@ -38,6 +38,7 @@ from rollart.rollout.aio_batcher import AsyncBatcher
 from rollart.rollout.aio_runner import AsyncRunner
 from rollart.rollout.batcher import EngineBatcher, LiveEpisode, call
 from rollart.rollout.failover import EngineHealth
+from rollart.rollout.pacing import StartPacer
 from rollart.rollout.plan import plan_namer
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
 from rollart.rollout.service_failures import ReplicaFailures
@@ -107,8 +108,8 @@ class RolloutService(ReplicaFailures):
         self.on_engine: Counter[int] = Counter()
         self.on_host: Counter[int] = Counter()
         self._filling = False  # asyncio: a sliced fill is under way on the loop (`_fill`)
-        self._last_fill = 0.0  # monotonic time of the last fill slice (`START_RATE`)
-        self._start_budget = 0.0  # episodes the start rate allows and no slice started yet
+        self._pacer = StartPacer(self.START_RATE, self.START_BURST_S,  # `_fill_slice`
+                                 r.group_size + r.redundancy)
         self.done: dict[str, Trajectory] = {}
         self.done_stats: dict[str, TrajStats] = {}  # of `done`: the batch metrics' inputs
         self.totals = _Totals()
@@ -253,12 +254,12 @@ class RolloutService(ReplicaFailures):
             self.runner.in_loop(self._fill_slice)
 
     # asyncio runner: new episodes start at START_RATE per second at most, in slices at least
-    # START_GAP_S apart, each holding the whole groups the rate allows since the previous slice
-    # (what is left of a group carries over; the first slice of a fill START_BURST_S of it).
-    # A batch's worth of groups started at once (512 episodes after a take at 4,096) put tens
-    # of milliseconds of work on the loop, every turn in flight waiting behind it
-    # (benchmarks/rollout_scale.py's overhead p99); a loop saturated with turns runs slices far
-    # apart, and they grow to keep the rate.
+    # START_GAP_S apart (rollout/pacing.py: each holds the whole groups the rate allows since
+    # the previous slice; the first slice of a fill START_BURST_S of it). A batch's worth of
+    # groups started at once (512 episodes after a take at 4,096) put tens of milliseconds of
+    # work on the loop, every turn in flight waiting behind it (benchmarks/rollout_scale.py's
+    # overhead p99); a loop saturated with turns runs slices far apart, and they grow to keep
+    # the rate.
     START_RATE, START_GAP_S, START_BURST_S = 2000.0, 0.001, 0.004
 
     def _fill_slice(self, continued: bool = False) -> None:
@@ -266,20 +267,12 @@ class RolloutService(ReplicaFailures):
             if self.stopping or self.fatal is not None:
                 self._filling = False
                 return
-            t = time.monotonic()
-            if continued:
-                self._start_budget += min(t - self._last_fill, 1.0) * self.START_RATE
-            else:
-                self._start_budget = self.START_BURST_S * self.START_RATE
-            self._last_fill = t
-            per_group = self.cfg.rollout.group_size + self.cfg.rollout.redundancy
-            groups = int(self._start_budget // per_group)
-            started = 0
+            groups, started = self._pacer.allowed(time.monotonic(), continued), 0
             if groups:
                 before = self.sched.counters["groups_started"]
                 self._launch(self.sched.fill(max_groups=groups))
                 started = self.sched.counters["groups_started"] - before
-                self._start_budget -= started * per_group
+                self._pacer.started(started)
             if started < groups:
                 self._filling = False  # capacity reached: the next event asks again
             else:  # (no whole group allowed yet: the next slice)
