@@ -1,5 +1,7 @@
 """Exact resume (local store, in-process loop) and the sample-id ledger."""
 
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -41,21 +43,38 @@ def _ledger_of(store: RunStore, step: int) -> SampleLedger:
     return SampleLedger.from_json(files["ledger.json"])
 
 
+# The runs of the exact-resume test, in a fresh interpreter: the checkpoint holds the process's
+# global `random` state (for env code that draws from it), and in the full suite a thread left
+# by an earlier test (a client's reconnect backoff, say) drew from it between run A's save and
+# run B's, so rng.json differed though the resume was exact. A resumed run is a new process.
+_RUNS = """
+import sys
+from rollart.config import load_config
+from rollart.local_loop import run_local
+from rollart.storage.store import RunStore
+config, root, base = sys.argv[1], sys.argv[2], sys.argv[3:]
+run_local(load_config(config, [*base, root, "iterations=3"]), "straight")
+run_local(load_config(config, [*base, root, "iterations=2"]), "resumed")
+# The interrupted attempt: iteration 2 ran (shard + metrics row) and checkpoint 3 was torn.
+b = RunStore(root.split("=", 1)[1], "resumed")
+b.write_bytes("checkpoints/00000003/model.safetensors", b"torn")
+b.write_shard(2, b.read_shards(1))
+b.append_jsonl("metrics.jsonl", {"iteration": 2.0, "reward/mean": 9.0})
+out = run_local(load_config(config, [*base, root, "iterations=3"]), "resumed", resume=True)
+print("resumed_from", out["resumed_from"])
+"""
+
+
 def test_resume_is_exact_and_the_ledger_has_no_duplicates_or_gaps(tmp_path):
     """Run A: 3 iterations straight. Run B: 2 iterations, stop, resume to 3. Every file of the
     final checkpoint is byte-identical (weights, optimizer, RNG, engine RNG, ledger)."""
-    from rollart.local_loop import run_local
-
     root = f"storage.root={tmp_path}"
-    run_local(load_config(CONFIG, [*BASE, root, "iterations=3"]), "straight")
-    run_local(load_config(CONFIG, [*BASE, root, "iterations=2"]), "resumed")
-    # The interrupted attempt: iteration 2 ran (shard + metrics row) and checkpoint 3 was torn.
+    done = subprocess.run([sys.executable, "-c", _RUNS, CONFIG, root, *BASE],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed_from 2" in done.stdout
     b = RunStore(str(tmp_path), "resumed")
-    b.write_bytes("checkpoints/00000003/model.safetensors", b"torn")
-    b.write_shard(2, b.read_shards(1))
-    b.append_jsonl("metrics.jsonl", {"iteration": 2.0, "reward/mean": 9.0})
-    out = run_local(load_config(CONFIG, [*BASE, root, "iterations=3"]), "resumed", resume=True)
-    assert out["resumed_from"] == 2
 
     a = RunStore(str(tmp_path), "straight")
     files_a, man_a = a.load_checkpoint(3)
