@@ -392,8 +392,8 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             "saturated_uvloop_over_select": statistics.median(
                 a["turns_per_s"] / b["turns_per_s"] for a, b in zip(sat1, sat_sel, strict=True)),
         },
-        # the emulation's own share (benchmarks/rollout_floor.py): the same waits on the same
-        # loop with no service, as many live; uvloop's millisecond timers set most of it
+        # the same waits on the same loop with no service, as many live
+        # (benchmarks/rollout_floor.py): uvloop's millisecond timers and the host's wake-ups
         "emulation_floor": {
             "overhead_p99_ms_4096": med([r["emulation_floor"] for r in paced], "overhead_p99_ms"),
             "select_loop_overhead_p99_ms_4096": med([r["emulation_floor"] for r in sel],

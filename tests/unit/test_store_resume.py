@@ -44,9 +44,10 @@ def _ledger_of(store: RunStore, step: int) -> SampleLedger:
 
 
 # The runs of the exact-resume test, in a fresh interpreter: the checkpoint holds the process's
-# global `random` state (for env code that draws from it), and in the full suite a thread left
-# by an earlier test (a client's reconnect backoff, say) drew from it between run A's save and
-# run B's, so rng.json differed though the resume was exact. A resumed run is a new process.
+# global `random` state (for env code that draws from it; rollart itself never does), and in
+# one full-suite run rng.json differed though the resume was exact: most likely a thread left
+# by an earlier test (Dask's connect backoff draws from it) drew between run A's save and run
+# B's. A resumed run is a new process.
 _RUNS = """
 import sys
 from rollart.config import load_config
