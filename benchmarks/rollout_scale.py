@@ -24,15 +24,17 @@ Two regimes:
   so turns/s is the CPU's capacity; `two_shards_over_one` = saturated turns/s at 4,096, 2 shards
   over 1.
 
-The shards run the asyncio runner on its default loop, uvloop; one paced and one saturated point
-at 4,096 run the standard library's select loop (`rollout.event_loop: select`) for comparison
-(`headline.select_loop`). uvloop's timers have 1 ms resolution, so the emulated engine's and
-env's waits themselves end up to ~1 ms off their nominal times, which the overhead counts; the
-select loop's (select(2), microsecond timeouts) are exact. After each of those two paced points
-at 4,096, the same waits run with no service at all, as many pseudo-episodes as the point kept
-live (benchmarks/rollout_floor.py): `headline.emulation_floor`, the overhead p99 a turn that
-cost the loop nothing would show on that loop (and on this VM, where a sleeping vCPU wakes late,
-more than that whenever the host is busy: see rollout_floor.py).
+The shards run the asyncio runner on its default loop, the standard library's on select(2)
+(`rollout.event_loop: select`, microsecond timers); one paced and one saturated point at 4,096
+run uvloop for comparison (`headline.uvloop`). uvloop's timers count whole milliseconds, so
+there the emulated engine's and env's waits themselves end up to ~1 ms off their nominal times,
+which the overhead counts. After each of those two paced points at 4,096, the same waits run
+with no service at all, as many pseudo-episodes as the point kept live
+(benchmarks/rollout_floor.py): `headline.emulation_floor`, the overhead p99 a turn that cost the
+loop nothing would show on that loop (and on this VM, where a sleeping vCPU wakes late, more than
+that whenever the host is busy: see rollout_floor.py). New episodes start at `rollout.start_rate`
+(2,000/s per shard, the default) in the paced regime; the saturated one raises it far above what
+a core can run, so that its turns/s is the CPU's.
 
     .venv/bin/python benchmarks/rollout_scale.py --repeats 2   # -> results/rollout_scale.json
 """
@@ -68,8 +70,9 @@ from rollart.rollout.shards import ShardedRollout  # noqa: E402
 from rollart.types import SamplingParams  # noqa: E402
 
 GROUP, ALPHA, TOKENS = 4, 7, 16
-REGIMES = {"paced": {"call_s": 0.25, "token_s": 0.02, "step_s": 0.8},
-           "saturated": {"call_s": 0.002, "token_s": 0.0, "step_s": 0.002}}
+REGIMES = {"paced": {"call_s": 0.25, "token_s": 0.02, "step_s": 0.8, "start_rate": 2000.0},
+           "saturated": {"call_s": 0.002, "token_s": 0.0, "step_s": 0.002,
+                         "start_rate": 50_000.0}}
 SCHED = ("fill", "on_finished", "on_failed", "on_version", "take_batch")
 ANSWER = "<answer>right</answer>"
 
@@ -121,7 +124,8 @@ def build(point: dict[str, Any], shard: int, chat: ChatFormat
         f"rollout.group_size={GROUP}", f"rollout.max_staleness={ALPHA}",
         "rollout.runner=asyncio", "rollout.batching=continuous", "rollout.batch_wait_s=0",
         "rollout.max_consecutive_failures=0", f"engine.replicas={point['replicas']}",
-        "iterations=100000", f"rollout.event_loop={point.get('event_loop', 'uvloop')}"])
+        "iterations=100000", f"rollout.start_rate={lat['start_rate']}",
+        *([f"rollout.event_loop={point['event_loop']}"] if "event_loop" in point else [])])
     ids = chat.encode(ANSWER)[:1] * TOKENS
     engines = [EmulatedEngine(lat["call_s"], lat["token_s"], ids, ANSWER)
                for _ in range(point["replicas"])]
@@ -305,8 +309,8 @@ def grid(quick: bool) -> list[dict[str, Any]]:
         # the service tokenizing every observation itself (env hosts that send text only)
         pts.append({"regime": "paced", "episodes": 4096, "shards": 1, "replicas": 8,
                     "host_ids": False})
-    # the standard library's loop (rollout.event_loop: select) against the default uvloop
-    pts += [{"regime": r, "episodes": 4096, "shards": 1, "replicas": 8, "event_loop": "select"}
+    # uvloop (rollout.event_loop: uvloop) against the default, the standard library's loop
+    pts += [{"regime": r, "episodes": 4096, "shards": 1, "replicas": 8, "event_loop": "uvloop"}
             for r in ("paced", "saturated")]
     pts += [{"regime": "saturated", "episodes": 4096, "shards": s, "replicas": 8}
             for s in ((1, 2) if quick else (1, 2, 4))]
@@ -338,7 +342,7 @@ def main() -> None:
                 lat = REGIMES["paced"]
                 r["emulation_floor"] = floor_point(
                     round(r["live_mean"]), lat["call_s"] + lat["token_s"] * TOKENS,
-                    lat["step_s"], point.get("event_loop", "uvloop"), window=args.window)
+                    lat["step_s"], point.get("event_loop", "select"), window=args.window)
                 print(f"  emulation floor (no service): {r['emulation_floor']}", flush=True)
             runs.append(r)
             print(f"rep {rep} {point}: {r['turns_per_s']:.0f} turns/s, overhead p50/p99 "
@@ -353,9 +357,9 @@ def main() -> None:
     print(f"rollout_scale: turns_per_s_4096={h['turns_per_s_4096']:.0f} "
           f"overhead_p99_ms_4096={h['overhead_p99_ms_4096']:.2f} "
           f"two_shards_over_one={h['two_shards_over_one']:.2f} "
-          f"(select loop: overhead_p99_ms_4096={h['select_loop']['overhead_p99_ms_4096']:.2f}; "
-          f"emulation floor p99 {h['emulation_floor']['overhead_p99_ms_4096']:.2f} uvloop, "
-          f"{h['emulation_floor']['select_loop_overhead_p99_ms_4096']:.2f} select) "
+          f"(uvloop: overhead_p99_ms_4096={h['uvloop']['overhead_p99_ms_4096']:.2f}; "
+          f"emulation floor p99 {h['emulation_floor']['overhead_p99_ms_4096']:.2f} select, "
+          f"{h['emulation_floor']['uvloop_overhead_p99_ms_4096']:.2f} uvloop) "
           f"(spread over {args.repeats} repeats: {h['spread']})")
 
 
@@ -370,9 +374,9 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         return [r for r in rs if r.get("host_ids", True) and "event_loop" not in r]
 
     paced = default(pick(regime="paced", episodes=4096, shards=1, replicas=8))
-    sel = pick(regime="paced", episodes=4096, shards=1, replicas=8, event_loop="select")
+    uv = pick(regime="paced", episodes=4096, shards=1, replicas=8, event_loop="uvloop")
     sat1 = default(pick(regime="saturated", shards=1))
-    sat_sel = pick(regime="saturated", shards=1, event_loop="select")
+    sat_uv = pick(regime="saturated", shards=1, event_loop="uvloop")
     sat2 = pick(regime="saturated", shards=2)
     ratios = [b["turns_per_s"] / a["turns_per_s"] for a, b in zip(sat1, sat2, strict=True)]
     headline = {
@@ -382,37 +386,36 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "two_shards_over_one": statistics.median(ratios),
         "saturated_turns_per_s_1_shard": med(sat1, "turns_per_s"),
         "saturated_turns_per_s_2_shards": med(sat2, "turns_per_s"),
-        # uvloop against the standard library's select loop, per repeat (same run, back to back)
-        "select_loop": {
-            "overhead_p99_ms_4096": med(sel, "overhead_p99_ms"),
-            "overhead_p50_ms_4096": med(sel, "overhead_p50_ms"),
-            "cpu_per_turn_over_uvloop": statistics.median(
+        # uvloop against the default (the standard library's loop), per repeat, back to back
+        "uvloop": {
+            "overhead_p99_ms_4096": med(uv, "overhead_p99_ms"),
+            "overhead_p50_ms_4096": med(uv, "overhead_p50_ms"),
+            "cpu_per_turn_over_select": statistics.median(
                 b["cpu_s_per_1000_turns"] / a["cpu_s_per_1000_turns"]
-                for a, b in zip(paced, sel, strict=True)),
-            "saturated_uvloop_over_select": statistics.median(
-                a["turns_per_s"] / b["turns_per_s"] for a, b in zip(sat1, sat_sel, strict=True)),
+                for a, b in zip(paced, uv, strict=True)),
+            "saturated_over_select": statistics.median(
+                b["turns_per_s"] / a["turns_per_s"] for a, b in zip(sat1, sat_uv, strict=True)),
         },
         # the same waits on the same loop with no service, as many live
-        # (benchmarks/rollout_floor.py): uvloop's millisecond timers and the host's wake-ups
+        # (benchmarks/rollout_floor.py): the loop's timers and the host's wake-ups
         "emulation_floor": {
             "overhead_p99_ms_4096": med([r["emulation_floor"] for r in paced], "overhead_p99_ms"),
-            "select_loop_overhead_p99_ms_4096": med([r["emulation_floor"] for r in sel],
-                                                    "overhead_p99_ms")},
+            "uvloop_overhead_p99_ms_4096": med([r["emulation_floor"] for r in uv],
+                                               "overhead_p99_ms")},
         "spread": {"turns_per_s_4096": [round(r["turns_per_s"]) for r in paced],
+                   "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
                    "emulation_floor_p99_ms_4096": [
                        round(r["emulation_floor"]["overhead_p99_ms"], 2) for r in paced],
-                   "select_loop_emulation_floor_p99_ms_4096": [
-                       round(r["emulation_floor"]["overhead_p99_ms"], 2) for r in sel],
-                   "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
                    "host_steal_share_4096": [round(r["host_steal_share"], 3) for r in paced],
-                   "select_loop_overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2)
-                                                        for r in sel],
-                   "select_loop_cpu_per_turn_over_uvloop": [
+                   "uvloop_overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in uv],
+                   "uvloop_emulation_floor_p99_ms_4096": [
+                       round(r["emulation_floor"]["overhead_p99_ms"], 2) for r in uv],
+                   "uvloop_cpu_per_turn_over_select": [
                        round(b["cpu_s_per_1000_turns"] / a["cpu_s_per_1000_turns"], 3)
-                       for a, b in zip(paced, sel, strict=True)],
+                       for a, b in zip(paced, uv, strict=True)],
                    "saturated_uvloop_over_select": [
-                       round(a["turns_per_s"] / b["turns_per_s"], 3)
-                       for a, b in zip(sat1, sat_sel, strict=True)],
+                       round(b["turns_per_s"] / a["turns_per_s"], 3)
+                       for a, b in zip(sat1, sat_uv, strict=True)],
                    "two_shards_over_one": [round(x, 3) for x in ratios]},
     }
     return {"headline": headline, "runs": runs,

@@ -179,11 +179,17 @@ class RolloutConfig(_Strict):
     # episode a task on one event loop thread (rollart/rollout/aio_runner.py), thread count
     # independent of the number of episodes. Same scheduler, ledger and metrics.
     runner: Literal["threads", "asyncio"] = "threads"
-    # asyncio runner only: its event loop. "uvloop" (libuv, in C) spends less CPU per turn than
-    # the standard library's loop (benchmarks/rollout_scale.py compares them in one run; see the
-    # README), with timers of 1 ms resolution (a 2 ms `batch_wait_s` waits 2-3 ms). "select":
-    # the standard library's selector loop on select(2), microsecond timers.
-    event_loop: Literal["uvloop", "select"] = "uvloop"
+    # asyncio runner only: its event loop. "select": the standard library's selector loop on
+    # select(2), microsecond timers. "uvloop" (libuv, in C) spends less CPU per turn on a
+    # lightly loaded loop, but its timers count whole milliseconds (a 2 ms `batch_wait_s` waits
+    # 2-3 ms) and its turn-overhead p99 was higher in every calm run of
+    # benchmarks/rollout_scale.py (which compares them in one run; see the README).
+    event_loop: Literal["uvloop", "select"] = "select"
+    # asyncio runner only: new episodes per second a shard starts at most (in slices 1 ms
+    # apart: a batch's worth of episodes started at once holds up every turn in flight for
+    # tens of milliseconds). 2,000/s keeps ~12,000 turns/s of six-turn episodes going; raise it
+    # for shorter episodes on a shard with CPU to spare.
+    start_rate: float = Field(2000.0, gt=0.0)
     # asyncio runner only: seconds between the process's garbage collections while the loop
     # runs; automatic collection is off (after a gc.freeze() of everything allocated before).
     # At thousands of live episodes the young generation holds the in-flight coroutines,

@@ -11,11 +11,12 @@ each 50 ms. Here one event loop (one thread) runs them all:
                    the live episodes' deadlines every timeout / 20, 0.05 .. 1 s: a timer per env
                    call cost more than the sweep at thousands of episodes)
 
-The loop is uvloop's (`rollout.event_loop: uvloop`, the default): its scheduling, timers and
-wake-ups run in C, less CPU per turn than the standard library's loop (every turn is several
-loop callbacks), at timers of 1 ms resolution. `rollout.event_loop: select` is the standard
-library's loop waiting in select(2), not epoll: it watches one file (its wake-up pipe), and select
-takes microsecond timeouts where epoll rounds every wait up to a whole millisecond.
+The loop is the standard library's (`rollout.event_loop: select`, the default), waiting in
+select(2), not epoll: it watches one file (its wake-up pipe), and select takes microsecond
+timeouts where epoll rounds every wait up to a whole millisecond. `rollout.event_loop: uvloop`
+runs scheduling, timers and wake-ups in C: less CPU per turn on a lightly loaded loop, but its
+timers count whole milliseconds, and benchmarks/rollout_scale.py measured a higher turn
+overhead p99 on it (see the README).
 
 Handles whose method is a coroutine function (in-process async engines and env hosts, such as the
 emulated ones of benchmarks/rollout_scale.py) are awaited on the loop. Anything else (a Dask actor,
@@ -56,6 +57,7 @@ from rollart.types import Completion, GenerationRequest
 
 # (turn start, turn end, episode id, turn index): perf_counter seconds, for benchmarks
 TurnRecord = tuple[float, float, str, int]
+SELECT_FD_LIMIT = 1024  # FD_SETSIZE: select(2) watches descriptors below it only
 
 
 def new_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -64,7 +66,16 @@ def new_loop(kind: str) -> asyncio.AbstractEventLoop:
         import uvloop  # the config check names the fix when it is missing
 
         return uvloop.new_event_loop()
-    return asyncio.SelectorEventLoop(selectors.SelectSelector())
+    selector = selectors.SelectSelector()
+    loop = asyncio.SelectorEventLoop(selector)
+    if max(key.fd for key in selector.get_map().values()) >= SELECT_FD_LIMIT:
+        loop.close()  # select(2) would fail on the loop's first wait
+        raise RuntimeError(
+            f"rollout.event_loop=select: this process has over {SELECT_FD_LIMIT} files open, "
+            "so the loop's wake-up pipe is out of select(2)'s range; set "
+            "rollout.event_loop=uvloop (epoll) for this process")
+    return loop
+
 
 
 class AsyncRunner:

@@ -108,7 +108,7 @@ class RolloutService(ReplicaFailures):
         self.on_engine: Counter[int] = Counter()
         self.on_host: Counter[int] = Counter()
         self._filling = False  # asyncio: a sliced fill is under way on the loop (`_fill`)
-        self._pacer = StartPacer(self.START_RATE, self.START_BURST_S,  # `_fill_slice`
+        self._pacer = StartPacer(r.start_rate, self.START_BURST_S,  # `_fill_slice`
                                  r.group_size + r.redundancy)
         self.done: dict[str, Trajectory] = {}
         self.done_stats: dict[str, TrajStats] = {}  # of `done`: the batch metrics' inputs
@@ -244,7 +244,7 @@ class RolloutService(ReplicaFailures):
 
     def _fill(self) -> None:
         """Start what the scheduler admits. With the asyncio runner, on the loop, paced (see
-        `START_RATE`)."""
+        `START_GAP_S`)."""
         if self.stopping or self.fatal is not None:
             return
         if self.runner is None:
@@ -253,14 +253,14 @@ class RolloutService(ReplicaFailures):
             self._filling = True
             self.runner.in_loop(self._fill_slice)
 
-    # asyncio runner: new episodes start at START_RATE per second at most, in slices at least
-    # START_GAP_S apart (rollout/pacing.py: each holds the whole groups the rate allows since
-    # the previous slice; the first slice of a fill START_BURST_S of it). A batch's worth of
-    # groups started at once (512 episodes after a take at 4,096) put tens of milliseconds of
-    # work on the loop, every turn in flight waiting behind it (benchmarks/rollout_scale.py's
-    # overhead p99); a loop saturated with turns runs slices far apart, and they grow to keep
-    # the rate.
-    START_RATE, START_GAP_S, START_BURST_S = 2000.0, 0.001, 0.004
+    # asyncio runner: new episodes start at `rollout.start_rate` per second at most, in
+    # slices at least START_GAP_S apart (rollout/pacing.py: each holds the whole groups the
+    # rate allows since the previous slice; the first slice of a fill START_BURST_S of it). A
+    # batch's worth of groups started at once (512 episodes after a take at 4,096) put tens of
+    # milliseconds of work on the loop, every turn in flight waiting behind it
+    # (benchmarks/rollout_scale.py's overhead p99); a loop saturated with turns runs slices far
+    # apart, and they grow to keep the rate.
+    START_GAP_S, START_BURST_S = 0.001, 0.004
 
     def _fill_slice(self, continued: bool = False) -> None:
         def now() -> None:

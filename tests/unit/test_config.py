@@ -48,14 +48,14 @@ def test_bad_override_syntax():
         load_config("configs/default.yaml", ["train.lr"])
 
 
-def test_asyncio_runner_without_uvloop_names_the_fix(monkeypatch):
+def test_uvloop_without_uvloop_names_the_fix(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "uvloop" else real(name, *a))
     with pytest.raises(ConfigError, match="pip install uvloop.*rollout.event_loop=select"):
-        load_config(None, ["rollout.runner=asyncio"])
-    # the fallback, and the threaded runner, need no uvloop
-    assert load_config(None, ["rollout.runner=asyncio", "rollout.event_loop=select"])
+        load_config(None, ["rollout.runner=asyncio", "rollout.event_loop=uvloop"])
+    # the default loop (select), and the threaded runner, need no uvloop
+    assert load_config(None, ["rollout.runner=asyncio"]).rollout.event_loop == "select"
     assert load_config(None, ["rollout.runner=threads"])
