@@ -1,6 +1,7 @@
 """The rollout service's control path at scale: turns/s, per-turn overhead, scheduler decisions,
 memory per live episode and CPU per 1,000 turns, for 64 .. 4,096 concurrent episodes, 1, 2 and 4
-shards and 1 .. 32 engine replicas.
+shards and 1 .. 32 engine replicas; and 6,144 and 8,192 on one shard (`headline.headroom`: the
+p99 as its loop gets busier).
 
 Engines and env hosts are emulated at zero cost (rollart/rollout/emulated.py: a timer per call,
 no model, no env logic); everything else is the real code: `RolloutService` with
@@ -309,6 +310,9 @@ def grid(quick: bool) -> list[dict[str, Any]]:
         # the service tokenizing every observation itself (env hosts that send text only)
         pts.append({"regime": "paced", "episodes": 4096, "shards": 1, "replicas": 8,
                     "host_ids": False})
+        # headroom: one shard past 4,096 (its loop busier), the p99 against the busy share
+        pts += [{"regime": "paced", "episodes": e, "shards": 1, "replicas": 8}
+                for e in (6144, 8192)]
     # uvloop (rollout.event_loop: uvloop) against the default, the standard library's loop
     pts += [{"regime": r, "episodes": 4096, "shards": 1, "replicas": 8, "event_loop": "uvloop"}
             for r in ("paced", "saturated")]
@@ -386,6 +390,12 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "two_shards_over_one": statistics.median(ratios),
         "saturated_turns_per_s_1_shard": med(sat1, "turns_per_s"),
         "saturated_turns_per_s_2_shards": med(sat2, "turns_per_s"),
+        # one shard past 4,096 episodes, every repeat: how the p99 grows with the loop's load
+        "headroom": [{"episodes": r["episodes"], "turns_per_s": round(r["turns_per_s"]),
+                      "shard_cpu_util": round(r["shard_cpu_util"][0], 3),
+                      "overhead_p99_ms": round(r["overhead_p99_ms"], 2)}
+                     for r in default(pick(regime="paced", shards=1, replicas=8))
+                     if r["episodes"] > 4096],
         # uvloop against the default (the standard library's loop), per repeat, back to back
         "uvloop": {
             "overhead_p99_ms_4096": med(uv, "overhead_p99_ms"),
