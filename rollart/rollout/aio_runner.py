@@ -77,7 +77,6 @@ def new_loop(kind: str) -> asyncio.AbstractEventLoop:
     return loop
 
 
-
 class AsyncRunner:
     """Runs the episodes of RolloutService `svc` on one event loop thread."""
 

@@ -244,7 +244,7 @@ class RolloutService(ReplicaFailures):
 
     def _fill(self) -> None:
         """Start what the scheduler admits. With the asyncio runner, on the loop, paced (see
-        `START_GAP_S`)."""
+        `_fill_slice`)."""
         if self.stopping or self.fatal is not None:
             return
         if self.runner is None:
