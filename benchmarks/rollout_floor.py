@@ -71,7 +71,7 @@ def _floor_main(conn: Any, live: int, engine_s: float, step_s: float, event_loop
     conn.send((out, time.process_time() - cpu0))
 
 
-def floor_point(live: int, engine_s: float, step_s: float, event_loop: str = "select",
+def floor_point(live: int, engine_s: float, step_s: float, event_loop: str,
                 warmup: float = 4.0, window: float = 6.0) -> dict[str, Any]:
     """Overhead percentiles (ms) of `live` pseudo-episodes whose turns cost nothing."""
     ctx = mp.get_context("fork")

@@ -346,7 +346,8 @@ def main() -> None:
                 lat = REGIMES["paced"]
                 r["emulation_floor"] = floor_point(
                     round(r["live_mean"]), lat["call_s"] + lat["token_s"] * TOKENS,
-                    lat["step_s"], point.get("event_loop", "select"), window=args.window)
+                    lat["step_s"], point.get("event_loop", cfg.rollout.event_loop),
+                    window=args.window)  # the loop the point ran (the config's default)
                 print(f"  emulation floor (no service): {r['emulation_floor']}", flush=True)
             runs.append(r)
             print(f"rep {rep} {point}: {r['turns_per_s']:.0f} turns/s, overhead p50/p99 "
