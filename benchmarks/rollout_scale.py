@@ -8,8 +8,14 @@ no model, no env logic); everything else is the real code: `RolloutService` with
 `rollout.runner: asyncio` (rollart/rollout/aio_runner.py), its `RolloutScheduler`, `TurnRouter`
 (the affinity router prices every turn when there is more than one replica), batchers, env
 manager, local reward handler, and `ShardedRollout` as the trainer's side. Each shard is its
-own process, pinned to core `k % cores`; the coordinator (a zero-cost trainer: takes each batch
-as soon as every shard has its part, then `set_version(u + 1)`) runs in this process.
+own process whose event loop thread is pinned to core `k % cores`; the thread that serves the
+trainer's side (taking a batch: milliseconds of CPU at thousands of episodes) runs on the cores
+no shard's loop holds (every core when the loops hold them all), as a Dask worker's threads
+would. One point at 8,192 episodes pins the whole shard process to the loop's core instead
+(`"pin": "process"`, `headline.pin_process`): there a batch take holds the loop's core for
+milliseconds while the turns in flight wait (traced in a probe: 3-7 ms a take, the largest
+cluster of the p99's turns). The coordinator (a zero-cost trainer: takes each
+batch as soon as every shard has its part, then `set_version(u + 1)`) runs in this process.
 
 Concurrency: group_size 4, max_staleness 7, num_groups = episodes / 32, so admission keeps at
 most 8 batches = `episodes` episodes in flight (the measured mean is reported: completed groups
@@ -137,9 +143,16 @@ def build(point: dict[str, Any], shard: int, chat: ChatFormat
     return svc, engines, host
 
 
+def trainer_cores(shards: int) -> set[int]:
+    """Where a shard's calls from the trainer's side run: the cores no shard's loop holds, or
+    every core when the loops hold them all."""
+    n = os.cpu_count() or 1
+    return set(range(n)) - {k % n for k in range(shards)} or set(range(n))
+
+
 def shard_main(conn: Any, point: dict[str, Any], shard: int, chat: ChatFormat) -> None:
     """One shard process: serves the coordinator's calls, measures between two marks."""
-    os.sched_setaffinity(0, {shard % os.cpu_count()})
+    os.sched_setaffinity(0, {shard % os.cpu_count()})  # the loop thread, started below, too
     svc, engines, host = build(point, shard, chat)
     log: list[tuple[str, float, float]] = []
     for name in SCHED:
@@ -152,6 +165,8 @@ def shard_main(conn: Any, point: dict[str, Any], shard: int, chat: ChatFormat) -
         out: Any = None
         if cmd == "start":
             svc.start()
+            if point.get("pin", "loop") == "loop":  # this thread (the trainer's side) only
+                os.sched_setaffinity(0, trainer_cores(point["shards"]))
         elif cmd == "try_take":
             if len(marks) == 1:
                 live.append(len(svc.live))
@@ -313,6 +328,9 @@ def grid(quick: bool) -> list[dict[str, Any]]:
         # headroom: one shard past 4,096 (its loop busier), the p99 against the busy share
         pts += [{"regime": "paced", "episodes": e, "shards": 1, "replicas": 8}
                 for e in (6144, 8192)]
+        # the trainer's side on the loop's core (the whole shard process pinned to it)
+        pts.append({"regime": "paced", "episodes": 8192, "shards": 1, "replicas": 8,
+                    "pin": "process"})
     # uvloop (rollout.event_loop: uvloop) against the default, the standard library's loop
     pts += [{"regime": r, "episodes": 4096, "shards": 1, "replicas": 8, "event_loop": "uvloop"}
             for r in ("paced", "saturated")]
@@ -376,9 +394,12 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         return statistics.median(r[key] for r in rs)
 
     def default(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [r for r in rs if r.get("host_ids", True) and "event_loop" not in r]
+        return [r for r in rs if r.get("host_ids", True) and "event_loop" not in r
+                and "pin" not in r]
 
     paced = default(pick(regime="paced", episodes=4096, shards=1, replicas=8))
+    whole = pick(regime="paced", episodes=8192, shards=1, replicas=8, pin="process")
+    loop8k = default(pick(regime="paced", episodes=8192, shards=1, replicas=8))
     uv = pick(regime="paced", episodes=4096, shards=1, replicas=8, event_loop="uvloop")
     sat1 = default(pick(regime="saturated", shards=1))
     sat_uv = pick(regime="saturated", shards=1, event_loop="uvloop")
@@ -397,6 +418,11 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
                       "overhead_p99_ms": round(r["overhead_p99_ms"], 2)}
                      for r in default(pick(regime="paced", shards=1, replicas=8))
                      if r["episodes"] > 4096],
+        # 8,192 episodes with the trainer's side on the loop's core, against the default, per
+        # repeat (empty in a --quick run)
+        "pin_process": {
+            "overhead_p99_ms_8192": [round(r["overhead_p99_ms"], 2) for r in whole],
+            "default_overhead_p99_ms_8192": [round(r["overhead_p99_ms"], 2) for r in loop8k]},
         # uvloop against the default (the standard library's loop), per repeat, back to back
         "uvloop": {
             "overhead_p99_ms_4096": med(uv, "overhead_p99_ms"),
