@@ -36,7 +36,7 @@ import selectors
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -47,6 +47,7 @@ from rollart.rollout.env_manager import (
     EpisodeSpec,
     begin_episode,
     fail_episode,
+    finish_episode,
     new_episode,
     record_completion,
     record_step,
@@ -195,16 +196,17 @@ class AsyncRunner:
         if self.svc.cfg.rollout.gc_every_s is not None:
             gc.enable()  # the process (a Dask worker) goes on without the loop
 
-    async def call(self, handle: Any, method: str, *args: Any) -> Any:
-        """Await a coroutine method on the loop; run anything else in the pool."""
+    def call(self, handle: Any, method: str, *args: Any) -> Awaitable[Any]:
+        """`handle.method(*args)` to await: a coroutine method's own coroutine (on the loop,
+        with no frame of ours between it and the caller's), anything else in the pool."""
         key = (type(handle), method)
         coro = self._coro.get(key)
         if coro is None:
             coro = self._coro[key] = inspect.iscoroutinefunction(getattr(handle, method))
         if coro:
-            return await getattr(handle, method)(*args)
+            return getattr(handle, method)(*args)
         ctx = contextvars.copy_context()  # a Dask worker's context reaches the pool thread
-        return await self.loop.run_in_executor(self.pool, ctx.run, call, handle, method, *args)
+        return self.loop.run_in_executor(self.pool, ctx.run, call, handle, method, *args)
 
     # ---- one episode ---------------------------------------------------------------------
     async def episode(self, live: LiveEpisode) -> None:
@@ -257,17 +259,18 @@ class AsyncRunner:
             ep.traj.error = f"generate: {type(err).__name__}: {err}"
             reason = "engine_error"
         await self._close(live)
-        if not svc.episode_over(live, ep.traj, ep.timings, reason, self._locked):
+        traj = finish_episode(ep)
+        if not svc.episode_over(live, traj, ep.timings, reason, self._locked):
             return
         try:
-            fut = svc.reward.submit(ep.traj)
+            fut = svc.reward.submit(traj)
             if not fut.done():
                 await asyncio.wrap_future(fut)
             fut.result()
         except Exception as err:  # the reward backend's own policy (retries, on_error) is spent
             svc.set_fatal(err, keep_first=False)
             return
-        self._locked(svc._scored, live, ep.traj)
+        self._locked(svc._scored, live, traj)
 
     def _locked(self, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args)` under the service's lock, without blocking the loop: while the trainer's

@@ -12,7 +12,12 @@ from typing import Any
 
 from rollart.rollout.batcher import EpisodeCancelled, LiveEpisode
 from rollart.rollout.env_host import HostedEnv
-from rollart.rollout.env_manager import EpisodeSpec, apply_completion, start_episode
+from rollart.rollout.env_manager import (
+    EpisodeSpec,
+    apply_completion,
+    finish_episode,
+    start_episode,
+)
 from rollart.rollout.failover import NoReplicaLeft, is_replica_loss
 from rollart.routing.router import NoHealthyReplica
 from rollart.types import Completion, GenerationRequest, Trajectory
@@ -48,8 +53,9 @@ def run_episode(svc: Any, live: LiveEpisode) -> None:
         ep.traj.error = f"generate: {type(err).__name__}: {err}"
         reason = "engine_error"
     env.close()
-    if svc.episode_over(live, ep.traj, ep.timings, reason):
-        _score(svc, live, ep.traj)
+    traj = finish_episode(ep)
+    if svc.episode_over(live, traj, ep.timings, reason):
+        _score(svc, live, traj)
 
 def _generate(svc: Any, live: LiveEpisode, req: GenerationRequest, new_tokens: int
               ) -> Completion | None:
