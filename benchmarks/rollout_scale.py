@@ -54,6 +54,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -95,6 +96,26 @@ def _host_steal_s() -> float:
     with open("/proc/stat") as f:
         fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal
     return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
+def _host() -> dict[str, Any]:
+    """Which machine and code measured this: a re-run counts as a reproduction only on another
+    machine (another boot id: these VMs mask their CPU model) of the same commit."""
+    def read(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return ""
+    model = [ln.split(":", 1)[1].strip() for ln in read("/proc/cpuinfo").splitlines()
+             if ln.startswith("model name")]
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"boot_id": read("/proc/sys/kernel/random/boot_id").strip(),
+            "cpu_model": model[0] if model else "", "commit": commit}
 
 
 def _runqueue_wait_s() -> float:
@@ -441,6 +462,8 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             "uvloop_overhead_p99_ms_4096": med([r["emulation_floor"] for r in uv],
                                                "overhead_p99_ms")},
         "spread": {"turns_per_s_4096": [round(r["turns_per_s"]) for r in paced],
+                   # the shard's CPU per turn: how fast this host runs the service's code
+                   "cpu_ms_per_turn_4096": [round(r["cpu_s_per_1000_turns"], 3) for r in paced],
                    "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
                    "emulation_floor_p99_ms_4096": [
                        round(r["emulation_floor"]["overhead_p99_ms"], 2) for r in paced],
@@ -460,7 +483,7 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             "setup": {"group_size": GROUP, "max_staleness": ALPHA, "tokens_per_turn": TOKENS,
                       "regimes": REGIMES, "warmup_s": args.warmup, "window_s": args.window,
                       "repeats": args.repeats, "cores": os.cpu_count(),
-                      "load_avg_at_end": os.getloadavg()}}
+                      "load_avg_at_end": os.getloadavg(), "host": _host()}}
 
 
 if __name__ == "__main__":
