@@ -185,6 +185,13 @@ class RolloutConfig(_Strict):
     # 2-3 ms) and its turn-overhead p99 was higher in every calm run of
     # benchmarks/rollout_scale.py (which compares them in one run; see the README).
     event_loop: Literal["uvloop", "select"] = "select"
+    # asyncio runner on the select loop only: microseconds the loop keeps polling for ready
+    # events before it sleeps in select(2). A wake-up from sleep costs ~20 us of CPU on these
+    # VMs and runs the next callbacks on cold caches; polling spends the idle time instead, so
+    # the shard's core shows busy (~0.9 of it at 4,096 episodes with 200). benchmarks/
+    # rollout_scale.py measured 200 against 0 (headline.idle_poll): use it where a shard has a
+    # core of its own, never where the worker's other threads need that core. 0: sleep at once.
+    idle_poll_us: float = Field(0.0, ge=0.0, le=10_000.0)
     # asyncio runner only: new episodes per second a shard starts at most (in slices 1 ms
     # apart: a batch's worth of episodes started at once holds up every turn in flight for
     # tens of milliseconds). 2,000/s keeps ~12,000 turns/s of six-turn episodes going; raise it
@@ -218,6 +225,10 @@ class RolloutConfig(_Strict):
             raise ValueError(
                 "rollout.event_loop=uvloop but uvloop is not installed: `pip install uvloop` "
                 "(a dependency of rollart on Linux and macOS), or set rollout.event_loop=select")
+        if self.idle_poll_us and self.event_loop != "select":
+            raise ValueError(
+                f"rollout.idle_poll_us={self.idle_poll_us} needs rollout.event_loop=select "
+                "(uvloop waits in libuv's epoll): set event_loop=select or idle_poll_us=0")
         if self.shards > self.num_groups:
             raise ValueError(
                 f"rollout.shards={self.shards} but rollout.num_groups={self.num_groups}: every "

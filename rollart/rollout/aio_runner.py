@@ -13,7 +13,8 @@ each 50 ms. Here one event loop (one thread) runs them all:
 
 The loop is the standard library's (`rollout.event_loop: select`, the default), waiting in
 select(2), not epoll: it watches one file (its wake-up pipe), and select takes microsecond
-timeouts where epoll rounds every wait up to a whole millisecond. `rollout.event_loop: uvloop`
+timeouts where epoll rounds every wait up to a whole millisecond; with `rollout.idle_poll_us`
+it polls that long before each sleep (PollingSelector). `rollout.event_loop: uvloop`
 runs scheduling, timers and wake-ups in C: less CPU per turn on a lightly loaded loop, but its
 timers count whole milliseconds, and benchmarks/rollout_scale.py measured a higher turn
 overhead p99 on it (see the README).
@@ -61,13 +62,41 @@ TurnRecord = tuple[float, float, str, int]
 SELECT_FD_LIMIT = 1024  # FD_SETSIZE: select(2) watches descriptors below it only
 
 
-def new_loop(kind: str) -> asyncio.AbstractEventLoop:
-    """An event loop of `rollout.event_loop` kind (see the module's docstring)."""
+class PollingSelector(selectors.SelectSelector):
+    """select(2) that polls for up to `poll_s` before it sleeps (`rollout.idle_poll_us`): a
+    wait shorter than that ends polling, at its timeout; a longer one polls, then sleeps for
+    the rest. Each poll releases the GIL, as the sleep does."""
+
+    def __init__(self, poll_s: float) -> None:
+        super().__init__()
+        self.poll_s = poll_s
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is not None and timeout <= 0:
+            return super().select(0)
+        poll = super().select
+        t0 = time.perf_counter()
+        limit = self.poll_s if timeout is None else min(self.poll_s, timeout)
+        while True:
+            ready = poll(0)
+            if ready:
+                return ready
+            spent = time.perf_counter() - t0
+            if spent >= limit:
+                break
+        if timeout is None:
+            return poll(None)
+        return poll(timeout - spent) if timeout > spent else []
+
+
+def new_loop(kind: str, poll_s: float = 0.0) -> asyncio.AbstractEventLoop:
+    """An event loop of `rollout.event_loop` kind (see the module's docstring); on select,
+    polling for up to `poll_s` before each sleep (`rollout.idle_poll_us`)."""
     if kind == "uvloop":
         import uvloop  # the config check names the fix when it is missing
 
         return uvloop.new_event_loop()
-    selector = selectors.SelectSelector()
+    selector = PollingSelector(poll_s) if poll_s > 0 else selectors.SelectSelector()
     loop = asyncio.SelectorEventLoop(selector)
     if max(key.fd for key in selector.get_map().values()) >= SELECT_FD_LIMIT:
         loop.close()  # select(2) would fail on the loop's first wait
@@ -83,7 +112,7 @@ class AsyncRunner:
 
     def __init__(self, svc: Any) -> None:
         self.svc = svc
-        self.loop = new_loop(svc.cfg.rollout.event_loop)
+        self.loop = new_loop(svc.cfg.rollout.event_loop, svc.cfg.rollout.idle_poll_us * 1e-6)
         self.pool = ThreadPoolExecutor(max(8, svc.cfg.rollout.env_host_threads),
                                        thread_name_prefix="rollout-io")
         self.tasks: set[asyncio.Task] = set()
