@@ -14,7 +14,9 @@ no shard's loop holds (every core when the loops hold them all), as a Dask worke
 would. One point at 8,192 episodes pins the whole shard process to the loop's core instead
 (`"pin": "process"`, `headline.pin_process`): there a batch take runs on the loop's core for
 milliseconds while the turns in flight wait (traced in a probe: 3-7 ms a take, the loop woken
-up to 3.6 ms late, the largest cluster of the p99's turns). The coordinator (a zero-cost
+up to 3.6 ms late, the largest cluster of the p99's turns). Two points, at 4,096 and 8,192
+episodes, have the loop poll 200 us before each sleep (`rollout.idle_poll_us`,
+`headline.idle_poll`): less latency for a core kept busy. The coordinator (a zero-cost
 trainer: takes each batch as soon as every shard has its part, then `set_version(u + 1)`) runs
 in this process.
 
@@ -79,6 +81,7 @@ from rollart.rollout.shards import ShardedRollout  # noqa: E402
 from rollart.types import SamplingParams  # noqa: E402
 
 GROUP, ALPHA, TOKENS = 4, 7, 16
+POLL_US = 200  # the idle_poll_us comparison points
 REGIMES = {"paced": {"call_s": 0.25, "token_s": 0.02, "step_s": 0.8, "start_rate": 2000.0},
            "saturated": {"call_s": 0.002, "token_s": 0.0, "step_s": 0.002,
                          "start_rate": 50_000.0}}
@@ -154,7 +157,8 @@ def build(point: dict[str, Any], shard: int, chat: ChatFormat
         "rollout.runner=asyncio", "rollout.batching=continuous", "rollout.batch_wait_s=0",
         "rollout.max_consecutive_failures=0", f"engine.replicas={point['replicas']}",
         "iterations=100000", f"rollout.start_rate={lat['start_rate']}",
-        *([f"rollout.event_loop={point['event_loop']}"] if "event_loop" in point else [])])
+        *([f"rollout.event_loop={point['event_loop']}"] if "event_loop" in point else []),
+        *([f"rollout.idle_poll_us={point['idle_poll_us']}"] if "idle_poll_us" in point else [])])
     ids = chat.encode(ANSWER)[:1] * TOKENS
     engines = [EmulatedEngine(lat["call_s"], lat["token_s"], ids, ANSWER)
                for _ in range(point["replicas"])]
@@ -353,6 +357,9 @@ def grid(quick: bool) -> list[dict[str, Any]]:
         # the trainer's side on the loop's core (the whole shard process pinned to it)
         pts.append({"regime": "paced", "episodes": 8192, "shards": 1, "replicas": 8,
                     "pin": "process"})
+        # the loop polling 200 us before each sleep (rollout.idle_poll_us)
+        pts += [{"regime": "paced", "episodes": e, "shards": 1, "replicas": 8,
+                 "idle_poll_us": POLL_US} for e in (4096, 8192)]
     # uvloop (rollout.event_loop: uvloop) against the default, the standard library's loop
     pts += [{"regime": r, "episodes": 4096, "shards": 1, "replicas": 8, "event_loop": "uvloop"}
             for r in ("paced", "saturated")]
@@ -363,7 +370,8 @@ def grid(quick: bool) -> list[dict[str, Any]]:
 
 def _with_floor(point: dict[str, Any]) -> bool:
     return (point["regime"] == "paced" and point["episodes"] == 4096 and point["shards"] == 1
-            and point["replicas"] == 8 and point.get("host_ids", True))
+            and point["replicas"] == 8 and point.get("host_ids", True)
+            and "idle_poll_us" not in point)
 
 
 def main() -> None:
@@ -417,12 +425,14 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
 
     def default(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [r for r in rs if r.get("host_ids", True) and "event_loop" not in r
-                and "pin" not in r]
+                and "pin" not in r and "idle_poll_us" not in r]
 
     paced = default(pick(regime="paced", episodes=4096, shards=1, replicas=8))
     whole = pick(regime="paced", episodes=8192, shards=1, replicas=8, pin="process")
     loop8k = default(pick(regime="paced", episodes=8192, shards=1, replicas=8))
     uv = pick(regime="paced", episodes=4096, shards=1, replicas=8, event_loop="uvloop")
+    poll4k, poll8k = (pick(regime="paced", episodes=e, shards=1, replicas=8,
+                           idle_poll_us=POLL_US) for e in (4096, 8192))
     sat1 = default(pick(regime="saturated", shards=1))
     sat_uv = pick(regime="saturated", shards=1, event_loop="uvloop")
     sat2 = pick(regime="saturated", shards=2)
@@ -445,6 +455,19 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "pin_process": {
             "overhead_p99_ms_8192": [round(r["overhead_p99_ms"], 2) for r in whole],
             "default_overhead_p99_ms_8192": [round(r["overhead_p99_ms"], 2) for r in loop8k]},
+        # the loop polling before it sleeps against the default, per repeat (empty in a
+        # --quick run); its CPU per turn counts the polling
+        "idle_poll": {
+            "idle_poll_us": POLL_US,
+            "overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in poll4k],
+            "default_overhead_p99_ms_4096": [round(r["overhead_p99_ms"], 2) for r in paced],
+            "overhead_p50_ms_4096": [round(r["overhead_p50_ms"], 2) for r in poll4k],
+            "overhead_p99_ms_8192": [round(r["overhead_p99_ms"], 2) for r in poll8k],
+            "default_overhead_p99_ms_8192": [round(r["overhead_p99_ms"], 2) for r in loop8k],
+            "shard_cpu_util_4096": [round(r["shard_cpu_util"][0], 3) for r in poll4k],
+            "cpu_per_turn_over_default_4096": [
+                round(b["cpu_s_per_1000_turns"] / a["cpu_s_per_1000_turns"], 3)
+                for a, b in zip(paced, poll4k, strict=False)]},
         # uvloop against the default (the standard library's loop), per repeat, back to back
         "uvloop": {
             "overhead_p99_ms_4096": med(uv, "overhead_p99_ms"),
