@@ -187,10 +187,11 @@ class RolloutConfig(_Strict):
     event_loop: Literal["uvloop", "select"] = "select"
     # asyncio runner on the select loop only: microseconds the loop keeps polling for ready
     # events before it sleeps in select(2). A wake-up from sleep costs ~20 us of CPU on these
-    # VMs and runs the next callbacks on cold caches; polling spends the idle time instead, so
-    # the shard's core shows busy (~0.9 of it at 4,096 episodes with 200). benchmarks/
-    # rollout_scale.py measured 200 against 0 (headline.idle_poll): use it where a shard has a
-    # core of its own, never where the worker's other threads need that core. 0: sleep at once.
+    # VMs (a probe) and runs the next callbacks on cold caches; polling spends the idle time
+    # instead, so the core shows busy (0.73-0.94 of it at 4,096-8,192 episodes with 200).
+    # benchmarks/rollout_scale.py measured 200 against 0 (headline.idle_poll): use it where a
+    # shard has a core of its own, never where the worker's other threads need that core.
+    # 0: sleep at once.
     idle_poll_us: float = Field(0.0, ge=0.0, le=10_000.0)
     # asyncio runner only: new episodes per second a shard starts at most (in slices 1 ms
     # apart: a batch's worth of episodes started at once holds up every turn in flight for
