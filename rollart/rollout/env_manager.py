@@ -104,10 +104,23 @@ def finish_episode(ep: _Episode) -> Trajectory:
     log-probs and versions of every token so far); call it before the trajectory leaves."""
     t = ep.traj
     mask, logprobs, versions = t.loss_mask, t.behaviour_logprobs, t.token_versions
+    pos, added = len(mask), 0
+    for seg in ep.segments:
+        added += seg[0]
+    # Grown once to their length, as for a prompt or glue segment (mask 0, no log-prob,
+    # version -1); only the generated segments are written over. Most segments are prompt or
+    # glue: appending every segment to the three lists cost ~1.4x this.
+    mask += [0] * added
+    logprobs += [0.0] * added
+    versions += [-1] * added
     for n, m, lp, version in ep.segments:
-        mask += [m] * n
-        logprobs += lp if lp is not None else [0.0] * n
-        versions += [version if m else -1] * n
+        end = pos + n
+        if m:
+            mask[pos:end] = [m] * n
+            versions[pos:end] = [version] * n
+        if lp is not None:
+            logprobs[pos:end] = lp  # n log-probs: one per generated token
+        pos = end
     ep.segments = []
     return t
 

@@ -89,11 +89,13 @@ class CostModel:
         return self.time_scale * (full + self.rows_s(hw, prefill, decode) if k else full)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class QueueCost:
     """`CostModel.batch_s` of a queue (`total_s`), kept as the raw sum over its complete batches
     (`full_raw`, before time_scale) and its incomplete last batch (`tail`: its rows, their prompt
-    tokens summed left to right and their longest decode)."""
+    tokens summed left to right and their longest decode). Never changed once made (a new one
+    per change); not frozen: two are built per routed turn, and a frozen dataclass's
+    construction (each field through object.__setattr__) cost ~5x a slotted one's."""
 
     total_s: float
     full_raw: float
