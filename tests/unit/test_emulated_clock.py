@@ -76,3 +76,37 @@ def test_on_uvloop_a_wait_is_asyncio_sleep():
     finally:
         loop.close()
     assert owner._clock is None  # uvloop's timers are C: no clock of ours
+
+
+def test_waits_with_the_same_deadline_end_in_the_order_they_were_made():
+    """The tie path: waits whose deadlines are the same float share one heap entry (the loop's
+    clock is held still here while they are made, so waits of one delay tie). Each ends, in
+    the order it was made, a cancelled one is skipped, and a later deadline still ends after
+    them."""
+    owner, order = Owner(), []
+
+    async def one(name: str, delay: float) -> None:
+        await WaitClock.sleep(owner, delay)
+        order.append(name)
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        real, held = loop.time, [loop.time()]
+        loop.time = lambda: held[0] if held else real()  # type: ignore[method-assign]
+        names = ["a", "b", "gone", "c"]
+        tasks = {n: asyncio.ensure_future(one(n, 0.020)) for n in names}
+        tasks["later"] = asyncio.ensure_future(one("later", 0.030))
+        tasks["first"] = asyncio.ensure_future(one("first", 0.005))
+        await asyncio.sleep(0)  # every wait made, at one clock reading
+        held.clear()  # the clock runs again
+        clock = owner._clock
+        tied = max(len(waits) for waits in clock.due.values())
+        deadlines = len(clock.heap)
+        tasks["gone"].cancel()
+        # a wait lost from its deadline would never end: fail instead of hanging
+        await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 10.0)
+        return tied, deadlines
+
+    tied, deadlines = _run(main())
+    assert (tied, deadlines) == (4, 3)  # the four 20 ms waits under one deadline
+    assert order == ["first", "a", "b", "c", "later"]
