@@ -1,7 +1,30 @@
 """The router's cost model, its correction bound, and a replica queue's cost kept between
 routing decisions.
 
-`CostModel` prices requests on a hardware class (see rollart.routing.router for the formulas).
+`CostModel` prices a request on hardware class c:
+
+    service_s(c) = prefill_tokens * flops_per_token / FLOP/s(c)
+                 + decode_tokens  * bytes_per_token / bandwidth(c)
+
+with flops_per_token ~ 2 x params and bytes_per_token ~ param bytes / decode batch (+ KV reads):
+a decode step reads every weight once for the whole batch, so each row pays its share.
+`prefill_tokens` is the turn's new tokens on the replica that holds the episode's prefix (when the
+engine caches prefixes) and new + context tokens anywhere else (cache miss).
+
+Batching: an engine serves its queue in batches of `decode_batch` rows; a batch's decode steps
+run until its longest row is done, each step reading the weights once:
+
+    batch_s(c) = sum of its prefill_tokens * flops_per_token / FLOP/s(c)
+               + max of its decode_tokens * (decode_batch * bytes_per_token) / bandwidth(c)
+
+A replica's wait (rollart.routing.router) is batch_s summed over its outstanding requests cut
+into batches in arrival order, and a request's service time on a replica is what it adds to that
+(its marginal cost). For a full batch of equal rows this is the per-request sum above; a
+decode-heavy request that joins a batch of short ones costs the whole batch its long decode
+(issue 21: without this the router put decode-heavy turns next to prefill-heavy ones on the
+compute pool, where every such batch ran 128 weight-bound steps instead of 8, and affinity lost
+to round robin).
+
 `QueueCost` is `CostModel.batch_s` of one replica's queue, split so that the cost of appending one
 more request is O(decode_batch) instead of O(queue): the sum over the queue's complete batches
 (accumulated in the same order as `batch_s` does) and its last, incomplete batch. The Router asks
@@ -33,7 +56,17 @@ SAME_CLASS_BOUND = 2.0  # correction bound when every replica has the same figur
 def default_correction_bound(classes: Iterable[HardwareClass]) -> float:
     """(smallest ratio > 1 between two replicas' FLOP/s or bandwidths) ** (1/4): the relative
     correction between two replicas (at most bound^2) then stays below the square root of the
-    smallest class advantage. H800 + H20: (4000 / 3350) ** 0.25 = 1.0453."""
+    smallest class advantage. H800 + H20: (4000 / 3350) ** 0.25 = 1.0453.
+
+    Why the router's correction must be bounded (issue 21): with one unbounded scalar per
+    replica, the measured batch times of two emulated replicas sharing a CPU host carried the
+    *other* replica's load (both competed for the same cores and the GIL, and the old emulation
+    multiplied the stretched compute time by its slowdown), so the scales (4.1-6.5 between
+    repeats) tracked contention, not hardware. A ratio of two such scales beyond 1.19 (the H20's
+    whole decode advantage) flips decode-heavy turns to the H800; beyond ~4 it flips prefill-
+    heavy ones too; and a replica that had not reported yet kept scale 1, so it looked several
+    times faster than the measured ones. Placements then followed the noise (in one repeat the
+    decision counts equalled round robin's)."""
     ratios = [max(x, y) / min(x, y)
               for a, c in itertools.combinations(list(classes), 2)
               for x, y in ((a.flops, c.flops), (a.bandwidth, c.bandwidth)) if x != y]

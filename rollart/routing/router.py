@@ -1,28 +1,8 @@
 """Router: picks the engine replica for each generation request. Pure: events in, decisions out.
 
-Cost model (per request, on hardware class c):
-
-    service_s(c) = prefill_tokens * flops_per_token / FLOP/s(c)
-                 + decode_tokens  * bytes_per_token / bandwidth(c)
-
-with flops_per_token ~ 2 x params and bytes_per_token ~ param bytes / decode batch (+ KV reads):
-a decode step reads every weight once for the whole batch, so each row pays its share.
-`prefill_tokens` is the turn's new tokens on the replica that holds the episode's prefix (when the
-engine caches prefixes) and new + context tokens anywhere else (cache miss).
-
-Batching: an engine serves its queue in batches of `decode_batch` rows; a batch's decode steps
-run until its longest row is done, each step reading the weights once:
-
-    batch_s(c) = sum of its prefill_tokens * flops_per_token / FLOP/s(c)
-               + max of its decode_tokens * (decode_batch * bytes_per_token) / bandwidth(c)
-
-A replica's wait is batch_s summed over its outstanding requests cut into batches in arrival
-order, and a request's service time on a replica is what it adds to that (its marginal cost;
-both kept per replica between decisions: rollart.routing.cost.QueueCost).
-For a full batch of equal rows this is the per-request sum above; a decode-heavy request that
-joins a batch of short ones costs the whole batch its long decode (issue 21: without this the
-router put decode-heavy turns next to prefill-heavy ones on the compute pool, where every such
-batch ran 128 weight-bound steps instead of 8, and affinity lost to round robin).
+Cost model: rollart.routing.cost (formulas there). A replica's wait is its outstanding requests'
+batched cost in arrival order; a request's service time is what it adds to that (both kept per
+replica between decisions: QueueCost).
 
 Online correction: peak figures are never reached (MFU/MBU, attention, padding, host overheads).
 When the caller reports a finished engine batch (`on_batch(replica, request_ids, busy_s)`), the
@@ -39,16 +19,8 @@ each other by at most b^2, and the default b = (smallest ratio between the pools
 bandwidths)^(1/4) keeps that below the square root of the smallest class advantage (H800 vs H20:
 bandwidth 4000/3350 = 1.194, b = 1.0453, at most 1.0927 of relative correction), so a pure
 prefill turn stays on the compute class and a pure decode turn on the bandwidth class whatever
-the measurements say. Replicas of one class only: b = 2.
-
-Why it must be bounded (issue 21): with one unbounded scalar per replica, the measured batch
-times of two emulated replicas sharing a CPU host carried the *other* replica's load (both
-competed for the same cores and the GIL, and the old emulation multiplied the stretched compute
-time by its slowdown), so the scales (4.1-6.5 between repeats) tracked contention, not hardware.
-A ratio of two such scales beyond 1.19 (the H20's whole decode advantage) flips decode-heavy
-turns to the H800; beyond ~4 it flips prefill-heavy ones too; and a replica that had not reported
-yet kept scale 1, so it looked several times faster than the measured ones. Placements then
-followed the noise (in one repeat the decision counts equalled round robin's).
+the measurements say. Replicas of one class only: b = 2. (Why bounded: cost.py's
+default_correction_bound.)
 
 Policies (what a new episode, or a spilled one, gets):
   affinity      argmin over healthy replicas of wait + service_s on that replica's class, plus
@@ -99,9 +71,8 @@ class ReplicaSpec:
     hw: HardwareClass
 
 
-# RouteRequest and Decision: one of each per turn of every episode (the rollout service's
-# loop, the simulator), so plain slotted classes: a frozen dataclass sets each field through
-# object.__setattr__, ~5x the construction time. Neither is changed after it is made.
+# RouteRequest, Decision: one of each per turn, so slotted, not frozen (a frozen dataclass sets
+# each field through object.__setattr__: ~5x the construction time). Never changed once made.
 @dataclass(slots=True)
 class RouteRequest:
     request_id: str
