@@ -180,20 +180,25 @@ class QueueCost:
 
 class QueueWindows:
     """A replica's queued (not running) requests in arrival order, with the cost of every batch
-    window seen so far kept by its first request. A completion shifts every batch boundary
+    window seen so far kept beside its first request. A completion shifts every batch boundary
     behind it, so QueueCost.of redid every batch; but completions leave near the head and new
     requests join at the tail, so the windows that a rebuild needs (8 rows from each batch's
     first request) were mostly priced by an earlier rebuild and are still intact (a removal
     drops only the windows that held the removed row). `cost` equals QueueCost.of over the same
     items to the last bit (each window priced by the same loop, the windows summed left to
-    right: tests/unit/test_routing_cache.py)."""
+    right: tests/unit/test_routing_cache.py).
 
-    __slots__ = ("ids", "items", "windows", "batch", "cost_model", "hw")
+    The window costs are a list in step with the requests (`priced[i]`: the window from row i,
+    None until priced), not a dict keyed by request id: a rebuild then reads its windows with
+    one slice instead of a lookup per window (each touching a request id's string object: ~10 %
+    of the rollout service's loop at 8,192 episodes, mostly cache misses)."""
+
+    __slots__ = ("ids", "items", "priced", "batch", "cost_model", "hw")
 
     def __init__(self, cost: CostModel, hw: HardwareClass) -> None:
         self.ids: list[str] = []
         self.items: list[Item] = []
-        self.windows: dict[str, float] = {}  # first request -> raw cost of its batch window
+        self.priced: list[float | None] = []  # raw cost of the batch window from row i, or None
         self.batch, self.cost_model, self.hw = cost.decode_batch, cost, hw
 
     def __len__(self) -> int:
@@ -202,27 +207,26 @@ class QueueWindows:
     def append(self, rid: str, item: Item) -> None:
         self.ids.append(rid)
         self.items.append(item)
+        self.priced.append(None)
 
     def remove(self, rid: str) -> None:
-        ids, windows = self.ids, self.windows
-        i = ids.index(rid)  # near the head: engines finish the oldest requests first
-        if windows:
-            for k in range(max(0, i - self.batch + 1), i + 1):  # the windows holding row i
-                windows.pop(ids[k], None)
-        del ids[i], self.items[i]
+        i = self.ids.index(rid)  # near the head: engines finish the oldest requests first
+        priced = self.priced
+        del self.ids[i], self.items[i], priced[i]  # with the window from row i
+        for k in range(max(0, i - self.batch + 1), i):  # the windows before it that held it
+            priced[k] = None
 
     def clear(self) -> None:
         self.ids.clear()
         self.items.clear()
-        self.windows.clear()
+        self.priced.clear()
 
     def cost(self) -> QueueCost:
         """QueueCost.of(cost, hw, items), reusing the windows priced before."""
-        cost, hw, b, ids, items = self.cost_model, self.hw, self.batch, self.ids, self.items
-        windows, n = self.windows, len(ids)
+        cost, hw, b, items, priced = self.cost_model, self.hw, self.batch, self.items, self.priced
+        n = len(items)
         m = n - n % b
-        starts = ids[0:m:b]
-        costs = list(map(windows.get, starts))
+        costs = priced[0:m:b]
         if None in costs:  # price the new windows with QueueCost.of's loop over one batch
             for j, c in enumerate(costs):
                 if c is None:
@@ -231,10 +235,10 @@ class QueueWindows:
                         prefill += p
                         if d > decode:
                             decode = d
-                    costs[j] = windows[starts[j]] = cost.rows_s(hw, prefill, decode)
+                    costs[j] = priced[j * b] = cost.rows_s(hw, prefill, decode)
         full = 0.0
         for c in costs:  # left to right, as QueueCost.of (not sum(): compensated from 3.12)
-            full += c
+            full += c  # type: ignore[operator]  # every window priced above
         if m == n:
             return QueueCost(cost.time_scale * full, full, (), 0.0, 0.0, n)
         tail = tuple(items[m:])
