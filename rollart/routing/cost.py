@@ -190,8 +190,9 @@ class QueueWindows:
 
     The window costs are a list in step with the requests (`priced[i]`: the window from row i,
     None until priced), not a dict keyed by request id: a rebuild then reads its windows with
-    one slice instead of a lookup per window (each touching a request id's string object: ~10 %
-    of the rollout service's loop at 8,192 episodes, mostly cache misses)."""
+    one slice instead of a lookup per window, each touching a request id's string object (in
+    py-spy profiles of the rollout service's loop at 8,192 episodes, `cost` ~9 % of its samples
+    before, ~5 % after)."""
 
     __slots__ = ("ids", "items", "priced", "batch", "cost_model", "hw")
 
