@@ -6,7 +6,7 @@ workers and maps one-to-one onto the Arrow schema used for trajectory shards.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pyarrow as pa
@@ -103,8 +103,11 @@ class Trajectory:
         return self.turns[0].weight_version if self.turns else -1
 
     def to_row(self) -> dict[str, Any]:
-        row = asdict(self)
-        row["turns"] = [asdict(t) for t in self.turns]
+        """The shard row: field values as they are, not copied (`dataclasses.asdict` deep-copies
+        every token list: ~60 ms of GIL for a 64-episode batch, against ~3 ms, on the CPU worker
+        that hands that batch to the trainer meanwhile). Read it; do not keep or change it."""
+        row = {name: getattr(self, name) for name in _TRAJECTORY_FIELDS}
+        row["turns"] = [{name: getattr(t, name) for name in _TURN_FIELDS} for t in self.turns]
         row["reward_details"] = [{"key": k, "value": v} for k, v in self.reward_details.items()]
         row["timings"] = [{"key": k, "value": v} for k, v in self.timings.items()]
         return row
@@ -118,6 +121,8 @@ class Trajectory:
         return cls(**row)
 
 
+_TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
+_TURN_FIELDS = tuple(f.name for f in fields(Turn))
 # Derived from the dataclasses (rollart/arrow_schema.py): a new field is a new column.
 TURN_SCHEMA = arrow_type(Turn)
 TRAJECTORY_SCHEMA = arrow_schema(Trajectory)
