@@ -4,7 +4,7 @@ schema shards were written with before (the hand-kept copy is frozen here as the
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,6 +14,7 @@ from rollart.arrow_schema import Float32, Int32, arrow_schema, arrow_type
 from rollart.types import (
     TRAJECTORY_SCHEMA,
     Trajectory,
+    Turn,
     table_to_trajectories,
     trajectories_to_table,
 )
@@ -89,3 +90,15 @@ def test_unmappable_types_fail_naming_the_field():
         arrow_schema(Bad)
     with pytest.raises(TypeError, match="no Arrow type"):
         arrow_type(set[int])
+
+
+def test_shard_rows_take_the_trajectory_values_without_copying(make_traj):
+    """A shard's rows are built on the CPU worker while it hands the same batch to the trainer's
+    worker: a deep copy of every token list held that worker's GIL ~60 ms per 64-episode batch
+    (README: `benchmarks/control_plane.py`), so rows refer to the trajectory's own lists."""
+    t = make_traj(0)
+    row = t.to_row()
+    for name in ("token_ids", "loss_mask", "behaviour_logprobs", "token_versions"):
+        assert row[name] is getattr(t, name)
+    assert t.turns and [r["index"] for r in row["turns"]] == [u.index for u in t.turns]
+    assert set(row["turns"][0]) == {f.name for f in fields(Turn)}
