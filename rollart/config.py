@@ -273,6 +273,15 @@ class TrainConfig(_Strict):
     # line from the start (KL ~ quadratic in the step). 0 disables. Adam can take a step of
     # KL ~1 from a small gradient; with stale batches that collapsed runs (README: staleness).
     max_kl: float = Field(0.0, ge=0.0)
+    # Trainer ranks: the model, gradients and optimizer state FSDP2-sharded over this many
+    # trainer-class workers (one rank each, one torch.distributed group; gloo on CPU, nccl on
+    # CUDA). 1: one trainer process, unsharded (the default).
+    world_size: int = Field(1, ge=1)
+    # How long a rank waits in a collective for the others (a lost rank fails the rest after
+    # this, and the run restarts its services from the last checkpoint).
+    dist_timeout_s: float = Field(300.0, gt=0.0)
+    # CUDA only: bf16 parameters in compute, fp32 gradient reduction (FSDP2 MixedPrecisionPolicy).
+    mixed_precision: Literal["none", "bf16"] = "none"
 
 
 class EvalConfig(_Strict):
@@ -373,6 +382,23 @@ class RunConfig(_Strict):
                     f"{key} ({threads}) exceeds the {len(cores)} core(s) cluster.cpu_cores "
                     f"gives class {hw_class}: set {key} <= {len(cores)}")
 
+    def _trainer_ranks_fit(self) -> None:
+        """Each trainer rank needs a worker of the trainer class of its own; a model with
+        layers the sharding does not know is checked when the trainer builds it."""
+        c, world = self.cluster, self.train.world_size
+        if world == 1:
+            return
+        if self.model.dtype != "float32" and self.train.mixed_precision == "bf16":
+            raise ValueError("train.mixed_precision bf16 keeps float32 master weights: set "
+                             "model.dtype float32")
+        trainer_class = c.stages["trainer"]
+        have = c.workers.get(trainer_class, 0)
+        if c.manager != "address" and have < world:
+            raise ValueError(
+                f"train.world_size ({world}) is larger than the {have} worker(s) of the trainer "
+                f"class {trainer_class} in cluster.workers: set cluster.workers.{trainer_class}"
+                f" >= {world} or lower train.world_size")
+
     @model_validator(mode="after")
     def _affinity(self) -> RunConfig:
         pools = self.cluster.engine_pools
@@ -386,6 +412,7 @@ class RunConfig(_Strict):
                     f"hardware.{c} with peak_tflops, mem_bw_gbs and memory_gb"
                 )
         self._threads_fit_cores()
+        self._trainer_ranks_fit()
         for c in self.routing.emulation.factors:
             if c not in self.hardware:
                 raise ValueError(f"routing.emulation.factors names class {c!r} that is not in "

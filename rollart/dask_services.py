@@ -1,7 +1,8 @@
 """The run's long-lived services as Dask actors, each pinned to a worker of its hardware class
 (the `ServiceFactory` of `rollart/driver.py` for a Dask cluster; no Prefect here).
 
-    trainer        one actor on the `trainer` class
+    trainer        one actor on the `trainer` class; with `train.world_size` N > 1, N actors
+                   (ranks) on N workers of that class behind a TrainerGroup
     engines        one replica per entry of `cluster.engine_pools` (default: `engine.replicas`
                    on the `engine` class), each on its class
     env hosts      one actor per worker of the `env` class: losing one costs only its episodes
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from urllib.parse import urlparse
 
 from distributed import Client
 from distributed.actor import Actor
@@ -25,7 +27,9 @@ from rollart.rollout.env_host import EnvHostService
 from rollart.rollout.shards import ShardedRollout
 from rollart.run import RunSpec
 from rollart.services import EngineService, RolloutServiceActor, TrainerService
+from rollart.services.trainer_group import TrainerGroup
 from rollart.storage.background import flush_all
+from rollart.train.distributed import free_port
 
 
 def check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
@@ -75,13 +79,39 @@ class DaskServices:
     def _actor(self, cls: type, *args: Any, **where: Any) -> Actor:
         return self.client.submit(cls, self.run, *args, actor=True, **where).result()
 
-    def trainer(self) -> Actor:
+    def trainer(self) -> Actor | TrainerGroup:
         # A key per attempt: a restarted run never gets the lost trainer's key (which Dask may
         # still be re-creating on the restarted worker) back as its "new" trainer.
-        actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1},
-                            key=f"trainer-{self.run.run_id}-{self.attempt}")
-        self.placed("trainer_service", call(actor, "where"))
-        return actor
+        world = self.run.cfg.train.world_size
+        if world == 1:
+            actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1},
+                                key=f"trainer-{self.run.run_id}-{self.attempt}")
+            self.placed("trainer_service", call(actor, "where"))
+            return actor
+        return self._trainer_group(world)
+
+    def _trainer_group(self, world: int) -> TrainerGroup:
+        """`world` ranks, one per trainer-class worker, meeting at rank 0's worker (its host,
+        a port it found free). They are created at once: each waits in the rendezvous for
+        the others (up to train.dist_timeout_s)."""
+        hw = self.roles["trainer"]
+        workers = self.classes.get(hw, [])
+        if len(workers) < world:
+            raise RuntimeError(
+                f"train.world_size is {world} but the cluster has {len(workers)} worker(s) of "
+                f"the trainer class {hw}: start more (`dask worker --resources {hw}=1`) or "
+                "lower train.world_size")
+        workers = sorted(workers)[:world]
+        host = urlparse(workers[0]).hostname or "127.0.0.1"
+        port = self.client.run(free_port, host, workers=[workers[0]])[workers[0]]
+        futures = [self.client.submit(
+            TrainerService, self.run, r, world, (host, port), actor=True, workers=[addr],
+            resources={hw: 1}, key=f"trainer-{self.run.run_id}-{self.attempt}-r{r}")
+            for r, addr in enumerate(workers)]
+        group = TrainerGroup([f.result() for f in futures])
+        where = group.where()
+        self.placed("trainer_service", where)
+        return group
 
     def engines(self) -> list[Actor]:
         cfg, run_id = self.run.cfg, self.run.run_id

@@ -161,7 +161,8 @@ class Placement:
 
     def __call__(self, stage: str, info: dict[str, Any]) -> dict[str, Any]:
         self.by_stage.setdefault(stage, []).append(
-            {k: info.get(k) for k in ("worker", "resources")})
+            {k: info.get(k) for k in ("worker", "resources", "ranks") if k in info or
+             k != "ranks"})
         return info
 
 
@@ -313,9 +314,11 @@ class IterationDriver:
         uploads = call(sv.trainer, "flush_checkpoints", timeout=None)
         shards = self.factory.flush_shards()
         self._close_sinks()
+        prints = {"trainer": call(sv.trainer, "fingerprint"),
+                  "engine": call(self.serving()[0], "fingerprint")}
+        call(sv.trainer, "close")  # a sharded trainer's ranks leave their group
         return {"rollout": rollout_stats, "uploads": uploads, "shards_flushed": shards,
-                "fingerprints": {"trainer": call(sv.trainer, "fingerprint"),
-                                 "engine": call(self.serving()[0], "fingerprint")}}
+                "fingerprints": prints}
 
     def _stop_supervisor(self) -> None:
         if self.supervisor is not None:

@@ -30,6 +30,10 @@ class LocalServices:
         self.run = run
 
     def trainer(self) -> TrainerService:
+        if self.run.cfg.train.world_size > 1:  # ranks are processes: a cluster's workers
+            raise ValueError("train.world_size > 1 runs its trainer ranks on Dask workers; the "
+                             "in-process mode has one process: drop --in-process or set "
+                             "train.world_size=1")
         return TrainerService(self.run)
 
     def engines(self) -> list[EngineService]:

@@ -25,6 +25,7 @@ from rollart.routing.setup import emulation_factors
 from rollart.run import RunSpec
 from rollart.storage.store import checkpoint_rel
 from rollart.storage.weights import load_weights_bytes, retie
+from rollart.train.sharded_state import DCP_PREFIX, full_model_state, is_sharded_checkpoint
 from rollart.types import Completion, GenerationRequest
 
 log = logging.getLogger("rollart")
@@ -88,9 +89,16 @@ class EngineService:
         are stored once, so the state goes through a model of the run's architecture
         (strict=False restores the ties) before the engine's strict load; the served weights
         are then checked against it."""
-        files, manifest = self.store.load_checkpoint(step, only=["model.safetensors"])
+        names = list(self.store.read_manifest(step)["files"])
         model, _ = build_model(self.run)
-        model.load_state_dict(safetensors.torch.load(files["model.safetensors"]), strict=False)
+        if is_sharded_checkpoint(names):  # a sharded trainer's: every rank's pieces, joined
+            files, manifest = self.store.load_checkpoint(
+                step, only=[n for n in names if n.startswith(DCP_PREFIX)])
+            model.load_state_dict(full_model_state(model, files), strict=False)
+        else:
+            files, manifest = self.store.load_checkpoint(step, only=["model.safetensors"])
+            model.load_state_dict(safetensors.torch.load(files["model.safetensors"]),
+                                  strict=False)
         version = int(manifest.get("version", step))
         self.update_weights(version, model.state_dict())
         served, expected = self.fingerprint(), param_checksum(model)

@@ -1,5 +1,10 @@
 """`TrainerService`: model, optimizer (and reference) on the trainer-class worker, alive for the
 run; also the owner of the sample ledger and the checkpoints (`rollart/storage/checkpointing.py`).
+
+With `train.world_size` N > 1 there are N of them, rank r on its own trainer-class worker, in one
+torch.distributed group (`rollart/train/distributed.py`); the driver reaches them through a
+`TrainerGroup` (`rollart/services/trainer_group.py`), which calls every rank alike and answers
+with rank 0's result. Every rank keeps the same ledger (same inputs); rank 0 writes it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
 from rollart.storage.checkpointing import Checkpointer
+from rollart.train.distributed import Ranks, all_reduce_sum, destroy_group, init_group, local
 from rollart.train.trainer import Trainer
 from rollart.types import Trajectory
 
@@ -28,17 +34,27 @@ class UpdateOutOfOrder(RuntimeError):
 class TrainerService:
     """The policy update and everything that must stay consistent with it."""
 
-    def __init__(self, run: RunSpec) -> None:
+    def __init__(self, run: RunSpec, rank: int = 0, world: int = 1,
+                 meet: tuple[str, int] | None = None) -> None:
+        """`rank` of `world` trainer ranks, meeting at `meet` (rank 0's host and a free port
+        there) when world > 1."""
         self.cfg = cfg = run.cfg
         set_call_timeout(cfg.cluster.call_timeout_s)  # calls made from this worker
         pin_to_class(cfg.cluster.cpu_cores, cfg.cluster.stages["trainer"])
         torch.set_num_threads(cfg.train.threads)
+        self.ranks = Ranks(rank, world)
+        if self.ranks.sharded:
+            if meet is None:
+                raise ValueError("a trainer rank of a group needs the group's meeting point")
+            init_group(self.ranks, meet[0], meet[1], cfg.train.dist_timeout_s)
         torch.manual_seed(cfg.seed)
         self.store = run.store()
         model, tok = build_model(run)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.trainer = Trainer(model, cfg.algo, cfg.train,
-                               temperature=cfg.engine.temperature, pad_id=int(pad))
+                               temperature=cfg.engine.temperature, pad_id=int(pad),
+                               ranks=self.ranks,
+                               mixed_precision=cfg.train.mixed_precision == "bf16")
         # Ledger, checkpoint snapshots and background uploads (rollart/storage/checkpointing.py)
         self.ckpt = Checkpointer(cfg, self.store)
         self.identity = worker_identity()
@@ -69,6 +85,14 @@ class TrainerService:
     def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.trainer.version, self.trainer.export_weights()
 
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    def close(self) -> None:
+        """Leave the trainer group (the run's end, or before its services are rebuilt)."""
+        if self.ranks.sharded:
+            destroy_group()
+
     def share_weights(self) -> dict[str, Any]:
         """Copy the current weights into this trainer's shared-memory file; returns the small
         descriptor engines on this host map (rollart/engines/shared_weights.py)."""
@@ -81,14 +105,15 @@ class TrainerService:
         return self._shared.publish(self.trainer.version, self.trainer.model.state_dict())
 
     def shared_memory_sync(self) -> bool:
-        return self.cfg.engine.shared_memory_sync
+        # A sharded trainer holds no full copy to share: it exports (or streams) instead.
+        return self.cfg.engine.shared_memory_sync and not self.ranks.sharded
 
     def sync_via_store(self) -> bool:
         return self.cfg.storage.sync_via_store
 
     def publish_weights(self) -> dict[str, Any]:
         """Publish the current version to `weights/v{n}/` now (store-mediated sync)."""
-        return self.ckpt.publish_now(self.trainer)
+        return self.ckpt.publish_now(self.trainer)  # sharded: gathered, rank 0 publishes
 
     def save_checkpoint(self, step: int, meta: dict[str, Any],
                         engine_rng: list[bytes] | None = None,
@@ -120,7 +145,12 @@ class TrainerService:
         return [list(r) for r in self.ckpt.ledger.records]
 
     def fingerprint(self) -> float:
-        return param_checksum(self.trainer.model)
+        if not self.ranks.sharded:
+            return param_checksum(self.trainer.model)
+        with torch.no_grad():  # sum of |w| over every rank's shards
+            part = sum(local(p).detach().double().abs().sum()
+                       for p in self.trainer.policy.parameters())
+            return float(all_reduce_sum(torch.as_tensor(part, dtype=torch.float64), self.ranks))
 
     def where(self) -> dict[str, Any]:
         return self.identity

@@ -104,7 +104,14 @@ class Checkpointer:
         if not audit.ok:
             log.warning("sample ledger at checkpoint %d does not balance: %s", step,
                         audit.as_dict())
-        files = trainer.checkpoint_files()
+        if trainer.ranks.sharded:  # every rank writes its shards; rank 0 the rest, manifest last
+            written = self._save_shards(trainer, step)
+            if trainer.ranks.rank != 0:
+                return {"path": self.store.checkpoint_dir(step), "rank": trainer.ranks.rank,
+                        "save_s": time.perf_counter() - t0, "ledger": audit.as_dict()}
+            files = trainer.meta_files()
+        else:
+            written, files = {}, trainer.checkpoint_files()
         files["ledger.json"] = self.ledger.to_json()
         files["config.yaml"] = dump_config(self.cfg).encode()
         if engine_rng:
@@ -121,23 +128,41 @@ class Checkpointer:
                 "next_iteration": next_it, "ledger": audit.as_dict()}
         snapshot_s = time.perf_counter() - t0
         wait_s = 0.0
-        if self.cfg.storage.background_upload:
+        # A sharded checkpoint's shards are written already: its manifest follows at once.
+        background = self.cfg.storage.background_upload and not trainer.ranks.sharded
+        if background:
             wait_s = self.uploads.submit(f"checkpoint {step}",
                                          lambda: self._upload(step, files, meta))
             uploaded = self.uploads.finished()
         else:
-            uploaded = [{"label": f"checkpoint {step}", "result": self._upload(step, files, meta)}]
-        return {"path": self.store.checkpoint_dir(step), "bytes": sum(map(len, files.values())),
+            uploaded = [{"label": f"checkpoint {step}",
+                         "result": self._upload(step, files, meta, written)}]
+        nbytes = sum(map(len, files.values())) + sum(e["bytes"] for e in written.values())
+        return {"path": self.store.checkpoint_dir(step), "bytes": nbytes,
                 "snapshot_s": snapshot_s, "wait_s": wait_s,
                 "save_s": time.perf_counter() - t0,  # what the caller waited for
-                "background": self.cfg.storage.background_upload, "uploaded": uploaded,
+                "background": background, "uploaded": uploaded,
                 "ledger": audit.as_dict()}
 
-    def _upload(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> dict[str, Any]:
+    def _save_shards(self, trainer: Trainer, step: int) -> dict[str, dict[str, Any]]:
+        """Every rank's shard files into checkpoint `step`; their manifest entries (all ranks').
+        Collectives, in the same order on every rank."""
+        from rollart.train.distributed import all_gather_json
+        from rollart.train.sharded_state import save_shards
+
+        if trainer.ranks.rank == 0:  # a step written again stops existing before its files
+            self.uploads.drain()
+            self.store.drop_manifest(step)
+        all_gather_json(None, trainer.ranks)  # ... before any rank writes into it
+        mine = self.store.write_checkpoint_files(step, save_shards(trainer))
+        return {k: v for part in all_gather_json(mine, trainer.ranks) for k, v in part.items()}
+
+    def _upload(self, step: int, files: dict[str, bytes], meta: dict[str, Any],
+                written: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        path = self.store.save_checkpoint(step, files, meta)
+        path = self.store.save_checkpoint(step, files, meta, written)
         removed = self.store.prune_checkpoints(self.cfg.storage.keep_last)
-        nbytes = sum(map(len, files.values()))
+        nbytes = sum(map(len, files.values())) + sum(e["bytes"] for e in (written or {}).values())
         upload_s = time.perf_counter() - t0
         return {"step": step, "path": path, "bytes": nbytes, "removed": removed,
                 "upload_s": upload_s, "MB_per_s": nbytes / 1e6 / max(upload_s, 1e-9)}
@@ -171,10 +196,17 @@ class Checkpointer:
     def publish_async(self, trainer: Trainer) -> float:
         """Queue the current version for upload; returns the seconds the caller waited."""
         version, step, state = trainer.version, trainer.step, trainer.export_weights()
+        if trainer.ranks.rank != 0:  # a sharded trainer's other ranks only helped gather
+            return 0.0
         return self.weight_uploads.submit(
             f"weights v{version}", lambda: self._publish(version, serialize_weights(state), step))
 
     def publish_now(self, trainer: Trainer) -> dict[str, Any]:
         self.weight_uploads.drain()
+        if trainer.ranks.sharded:  # gathered on every rank's call; rank 0 publishes
+            state = trainer.export_weights()
+            if trainer.ranks.rank != 0:
+                return {"version": trainer.version, "bytes": 0, "publish_s": 0.0}
+            return self._publish(trainer.version, serialize_weights(state), trainer.step)
         return self._publish(trainer.version, serialize_weights(trainer.model.state_dict()),
                              trainer.step)

@@ -272,24 +272,16 @@ class RunStore:
         return table_to_trajectories(self.read_shard_table(step))
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save_checkpoint(self, step: int, files: dict[str, bytes], meta: dict[str, Any]) -> str:
-        """Write every file, then the manifest last. Returns the checkpoint directory."""
+    def save_checkpoint(self, step: int, files: dict[str, bytes], meta: dict[str, Any],
+                        written: dict[str, dict[str, Any]] | None = None) -> str:
+        """Write every file, then the manifest last. Returns the checkpoint directory.
+        `written`: entries of files other processes already wrote into this checkpoint (a
+        sharded trainer's ranks, `write_checkpoint_files`), listed in the manifest too."""
         rel = checkpoint_rel(step)
         t0 = time.perf_counter()
         if self.exists(f"{rel}/{MANIFEST}"):  # rewriting a step: it stops existing first
             self.delete(f"{rel}/{MANIFEST}")
-        delay = _slow_checkpoint_delay(step)
-        with ThreadPoolExecutor(1) as pool:  # CRC32s (zlib drops the GIL) while uploading
-            crcs = pool.submit(lambda: {name: crc32(data) for name, data in files.items()})
-            if delay:
-                for name, data in files.items():
-                    self.write_bytes(f"{rel}/{name}", data)
-                    time.sleep(delay)
-            else:
-                self.write_many({f"{rel}/{name}": data for name, data in files.items()})
-            entries = {name: {"bytes": len(data), "crc32": c}
-                       for (name, data), c in zip(files.items(), crcs.result().values(),
-                                                  strict=True)}
+        entries = {**(written or {}), **self.write_checkpoint_files(step, files)}
         write_s = time.perf_counter() - t0
         manifest = {
             "step": step,
@@ -303,6 +295,29 @@ class RunStore:
         self.write_text(f"{rel}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True,
                                                         default=str))
         return self.checkpoint_dir(step)
+
+    def write_checkpoint_files(self, step: int, files: dict[str, bytes]
+                               ) -> dict[str, dict[str, Any]]:
+        """Write files into checkpoint `step` (no manifest); returns their manifest entries."""
+        rel = checkpoint_rel(step)
+        delay = _slow_checkpoint_delay(step)
+        with ThreadPoolExecutor(1) as pool:  # CRC32s (zlib drops the GIL) while uploading
+            crcs = pool.submit(lambda: {name: crc32(data) for name, data in files.items()})
+            if delay:
+                for name, data in files.items():
+                    self.write_bytes(f"{rel}/{name}", data)
+                    time.sleep(delay)
+            else:
+                self.write_many({f"{rel}/{name}": data for name, data in files.items()})
+            return {name: {"bytes": len(data), "crc32": c}
+                    for (name, data), c in zip(files.items(), crcs.result().values(),
+                                               strict=True)}
+
+    def drop_manifest(self, step: int) -> None:
+        """Checkpoint `step` stops existing (before its files are rewritten)."""
+        rel = checkpoint_rel(step)
+        if self.exists(f"{rel}/{MANIFEST}"):
+            self.delete(f"{rel}/{MANIFEST}")
 
     def _manifest(self, rel: str) -> dict[str, Any] | None:
         try:

@@ -54,6 +54,9 @@ class Trainer:
     def fingerprint(self) -> float:
         return 1.5
 
+    def close(self) -> None:
+        self.closed = True
+
 
 class Engine:
     def fingerprint(self) -> float:

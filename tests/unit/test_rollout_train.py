@@ -204,8 +204,9 @@ def test_kl_guard_scales_the_step_back_along_its_line(policy):
         torch.testing.assert_close(pg, p0 + s * (pf - p0), rtol=1e-5, atol=1e-6)
     # The reported final KL is the batch KL of the weights the trainer now holds.
     batch = collate([t for t in trajs if t.num_model_tokens], tok.pad_token_id, tr._vocab_size())
-    prox = torch.cat([tr._logprobs(base, mb) for mb in tr._micro(batch)])
-    assert abs(tr._batch_kl(batch, prox) - m_g["train/kl_final"]) < 1e-6
+    plan = tr._micro_plan(batch)
+    prox = torch.cat([tr._logprobs(base, mb) for _, mb, _ in plan])
+    assert abs(tr._batch_kl(batch, plan, prox) - m_g["train/kl_final"]) < 1e-6
 
 
 def test_split_head_logprobs_equal_the_full_forward(policy):
