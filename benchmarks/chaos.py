@@ -24,6 +24,11 @@ The chaos schedule, by iterations done:
   engine   once replica 1 is back and an iteration is done: kill -9 of replica 0's worker
   env      an iteration later: kill -9 of the env-host worker not holding the rollout service
 
+`--scenario trainer_rank`: the same config with a sharded trainer (train.world_size 2, H800 x2)
+and one fault: kill -9 of the worker holding trainer rank 1 once checkpoint 2 exists and
+iteration 2 is done (the run restarts its services, the old ranks' workers first, and resumes
+from the checkpoint on the ranks it has).
+
 Services stay down until a call of the run has found them down (at least 3 s, at most 20 s).
 Per fault: detected_s (injection -> the run noticed: a call refused, the replica or host marked
 lost, the restart begun), recovered_s (injection -> the run is back: a call served again, the
@@ -33,6 +38,8 @@ one summary line.
 
     python benchmarks/chaos.py --seeds 0 1          (~12 min per pair on 2 cores)
     python benchmarks/chaos.py --seeds 1 --merge    (one pair; keeps the other seeds' pairs)
+    python benchmarks/chaos.py --scenario trainer_rank --iterations 8 --seeds 0 \
+        --out results/chaos_trainer_rank.json
 """
 
 from __future__ import annotations
@@ -71,6 +78,10 @@ from benchmarks.chaos_services import (  # noqa: E402
 )
 
 WORKERS = {"H800": 1, "H20": 2, "CPU": 2}
+# scenario -> (workers per class, extra overrides)
+SCENARIOS = {"services": (WORKERS, []),
+             "trainer_rank": ({**WORKERS, "H800": 2}, ["train.world_size=2",
+                                                       "cluster.workers.H800=2"])}
 CALL_TIMEOUT_S = 60  # a policy update takes ~35 s on a busy 2-core host: keep it generous
 GAP_LIMIT = 0.1  # issue 15's must-show: reward_gap <= 0.1
 
@@ -94,8 +105,10 @@ class Chaos:
     """Injects the schedule from a thread while the flow runs; records what it did."""
 
     def __init__(self, run_id: str, client: Any, store: Any, rows: Rows, s3: Any,
-                 s3_watch: Watch, endpoint: Endpoint, lambda_watch: Watch) -> None:
+                 s3_watch: Watch, endpoint: Endpoint, lambda_watch: Watch,
+                 scenario: str = "services") -> None:
         self.run_id, self.client, self.store, self.rows = run_id, client, store, rows
+        self.scenario = scenario
         self.s3, self.s3_watch, self.endpoint, self.lambda_watch = s3, s3_watch, endpoint, \
             lambda_watch
         self.faults: list[dict[str, Any]] = []
@@ -174,6 +187,12 @@ class Chaos:
 
     def _run(self) -> None:
         rows = self.rows
+        if self.scenario == "trainer_rank":
+            self.wait(lambda: rows.reached() >= 2 and self.checkpoint(2))
+            rank1 = [w for w, keys in holders(self.client, f"trainer-{self.run_id}-").items()
+                     if any(k.endswith("-r1") for k in keys)]
+            self.kill("trainer_rank_kill", rank1[0], rank=1)
+            return
         self.wait(lambda: rows.reached() >= 0)
         self.restart("lambda_restart", self.endpoint.stop, self.endpoint.start,
                      self.lambda_watch)
@@ -213,7 +232,7 @@ class Chaos:
 
 
 def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
-            endpoint: Endpoint, chaos: bool) -> dict[str, Any]:
+            endpoint: Endpoint, chaos: bool, scenario: str = "services") -> dict[str, Any]:
     from distributed import Client
 
     from flows.train import train
@@ -234,11 +253,11 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
     res: dict[str, Any] = {"run_id": run_id, "completed": False, "error": None}
     out: Any = {}
     injector: Chaos | None = None
-    with HardwareClassCluster(workers=WORKERS, dashboard=False) as cluster, \
+    with HardwareClassCluster(workers=SCENARIOS[scenario][0], dashboard=False) as cluster, \
             Client(cluster.scheduler_address) as client:
         if chaos:
             injector = Chaos(run_id, client, store, rows, s3, watches["s3"], endpoint,
-                             watches["lambda"])
+                             watches["lambda"], scenario)
             thread = threading.Thread(target=injector.run, daemon=True)
             thread.start()
         try:
@@ -279,12 +298,13 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
 
 
 def run_pair(seed: int, iterations: int, commit: str, s3: Any, watches: dict[str, Watch],
-             endpoint: Endpoint) -> dict[str, Any]:
+             endpoint: Endpoint, scenario: str = "services") -> dict[str, Any]:
     """A clean run and a chaos run of the same config and seed, and what the chaos cost."""
-    ov = overrides(iterations, seed, watches["s3"].url, watches["lambda"].url)
+    ov = [*overrides(iterations, seed, watches["s3"].url, watches["lambda"].url),
+          *SCENARIOS[scenario][1]]
     t0 = time.time()
-    clean = one_run(f"clean-s{seed}", ov, s3, watches, endpoint, chaos=False)
-    chaos = one_run(f"chaos-s{seed}", ov, s3, watches, endpoint, chaos=True)
+    clean = one_run(f"clean-s{seed}", ov, s3, watches, endpoint, False, scenario)
+    chaos = one_run(f"chaos-s{seed}", ov, s3, watches, endpoint, True, scenario)
     faults = [{"seed": seed, **f} for f in chaos.get("faults", [])]
     return {
         "seed": seed, "commit": commit, "overrides": ov, "wall_s": round(time.time() - t0),
@@ -298,14 +318,16 @@ def run_pair(seed: int, iterations: int, commit: str, s3: Any, watches: dict[str
     }
 
 
-def summarise(pairs: list[dict[str, Any]], command: str) -> dict[str, Any]:
+def summarise(pairs: list[dict[str, Any]], command: str,
+              scenario: str = "services") -> dict[str, Any]:
     """Every pair and the figures over them (the must-show fields at the top level)."""
     faults = [f for p in pairs for f in p["faults"]]
     gaps = [p["final_eval_gap"] for p in pairs]
     known = [g for g in gaps if g is not None]
     gap = max(known) if known and len(known) == len(gaps) else None
     return {
-        "command": command, "commits": sorted({p["commit"] for p in pairs}), "workers": WORKERS,
+        "command": command, "commits": sorted({p["commit"] for p in pairs}),
+        "scenario": scenario, "workers": SCENARIOS[scenario][0],
         "pairs_n": len(pairs), "seeds": [p["seed"] for p in pairs],
         "completed": bool(pairs) and all(p["completed"] for p in pairs),
         "iterations": [p["iterations"] for p in pairs],
@@ -344,13 +366,17 @@ def main() -> None:
                     help="keep the pairs of other seeds already in --out (one pair per "
                          "invocation keeps each invocation short)")
     ap.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="services",
+                    help="services: the schedule above; trainer_rank: a sharded trainer "
+                         "loses rank 1's worker")
     ap.add_argument("--summarise-only", action="store_true",
                     help="run nothing: rewrite --out's summary from the pairs it holds")
     args = ap.parse_args()
     if args.summarise_only:
         out = Path(args.out)
         old = json.loads(out.read_text())
-        out.write_text(json.dumps(summarise(old["pairs"], old["command"]), indent=2,
+        out.write_text(json.dumps(summarise(old["pairs"], old["command"],
+                                            old.get("scenario", "services")), indent=2,
                                   default=str) + "\n")
         return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -378,7 +404,8 @@ def main() -> None:
     pairs: list[dict[str, Any]] = []
     try:
         for seed in args.seeds:
-            pairs.append(run_pair(seed, args.iterations, commit, s3, watches, endpoint))
+            pairs.append(run_pair(seed, args.iterations, commit, s3, watches, endpoint,
+                                  args.scenario))
     finally:
         endpoint.stop()
         s3.stop()
@@ -390,7 +417,9 @@ def main() -> None:
         old = json.loads(out.read_text()).get("pairs", [])
         pairs = [p for p in old if p["seed"] not in args.seeds] + pairs
     pairs.sort(key=lambda p: p["seed"])
-    result = summarise(pairs, "python benchmarks/chaos.py --iterations N --seeds S ... [--merge]")
+    result = summarise(pairs, "python benchmarks/chaos.py --iterations N --seeds S ... [--merge]"
+                       + ("" if args.scenario == "services" else f" --scenario {args.scenario}"),
+                       args.scenario)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     tr = result["train_reward_gap"]
     dropped = [sum((d or {}).values()) for d in result["dropped"]]

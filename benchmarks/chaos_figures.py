@@ -61,7 +61,7 @@ def fault_figures(f: dict[str, Any], out: dict[str, Any], rows: Rows,
         e["calls_refused"] = w.count(t0, f["restarted_at"], False)
         e["run_past_it_s"] = rows.past(t0) and round(rows.past(t0), 1)
         e["episodes_lost"] = 0  # a reward or store call that gives up fails the whole run
-    elif kind in ("trainer_kill", "rollout_service_kill"):
+    elif kind in ("trainer_kill", "trainer_rank_kill", "rollout_service_kill"):
         rs = [x for x in out.get("restarts", []) if x["failed_at"] >= t0]
         e["detected_s"] = _s(rs[0]["failed_at"], t0) if rs else None
         e["recovered_s"] = rows.past(t0) and round(rows.past(t0), 1)

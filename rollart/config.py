@@ -85,6 +85,11 @@ class ModelConfig(_Strict):
         return os.path.expanduser(path) if path else path
 
 
+# Causal LMs whose decoder layers are `model.layers` (the trainer's FSDP units).
+SHARDABLE_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                              "MistralForCausalLM"})
+
+
 class VLLMEngineConfig(_Strict):
     """Options of the vLLM backend (rollart/engines/vllm_engine.py)."""
 
@@ -99,7 +104,21 @@ class VLLMEngineConfig(_Strict):
     # weight sync is an in-place copy + repack instead of vLLM's layer-wise reload
     # (results/vs_trl.json: sync_s); costs one more copy of the weights in host RAM.
     inplace_weights: bool = True
+    # GPUs each replica spans (vLLM tensor parallelism; the replica's worker must see that many
+    # GPUs). Data parallelism is `engine.replicas` / `cluster.engine_pools`: one replica per
+    # engine-class worker. CUDA only: refused at load on a machine without it.
+    tensor_parallel_size: int = Field(1, ge=1)
     extra: dict[str, Any] = {}  # passed to vllm.LLM(...) as is
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_cuda(self) -> VLLMEngineConfig:
+        if self.tensor_parallel_size > 1:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("engine.vllm.tensor_parallel_size > 1 needs CUDA GPUs; vLLM on "
+                                 "CPU serves a replica in one process: set it to 1")
+        return self
 
 
 class EngineConfig(_Strict):
@@ -382,10 +401,35 @@ class RunConfig(_Strict):
                     f"{key} ({threads}) exceeds the {len(cores)} core(s) cluster.cpu_cores "
                     f"gives class {hw_class}: set {key} <= {len(cores)}")
 
+    def _model_shapes_fit(self) -> None:
+        """A local model's shapes against the sharding asked for: attention heads split over
+        the engine's tensor-parallel GPUs; decoder layers for the trainer's FSDP units."""
+        import json
+        from pathlib import Path
+
+        tp, world = self.engine.vllm.tensor_parallel_size, self.train.world_size
+        if self.model.source != "hf_dir" or (tp == 1 and world == 1):
+            return
+        f = Path(self.model.path or "") / "config.json"
+        if not f.is_file():
+            return  # model.path itself is checked when the model loads
+        arch = json.loads(f.read_text())
+        if tp > 1 and self.engine.backend == "vllm":
+            for key in ("num_attention_heads", "num_key_value_heads"):
+                n = int(arch.get(key) or 0)
+                if n and n % tp:
+                    raise ValueError(f"engine.vllm.tensor_parallel_size ({tp}) must divide the "
+                                     f"model's {key} ({n})")
+        names = arch.get("architectures") or []
+        if world > 1 and not any(n in SHARDABLE_MODELS for n in names):
+            raise ValueError(f"train.world_size > 1 shards the model per decoder layer, which "
+                             f"rollart knows for {sorted(SHARDABLE_MODELS)}, not {names}: set "
+                             "train.world_size=1")
+
     def _trainer_ranks_fit(self) -> None:
-        """Each trainer rank needs a worker of the trainer class of its own; a model with
-        layers the sharding does not know is checked when the trainer builds it."""
+        """Each trainer rank needs a worker of the trainer class of its own."""
         c, world = self.cluster, self.train.world_size
+        self._model_shapes_fit()
         if world == 1:
             return
         if self.model.dtype != "float32" and self.train.mixed_precision == "bf16":

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 from urllib.parse import urlparse
@@ -30,6 +31,11 @@ from rollart.services import EngineService, RolloutServiceActor, TrainerService
 from rollart.services.trainer_group import TrainerGroup
 from rollart.storage.background import flush_all
 from rollart.train.distributed import free_port
+
+log = logging.getLogger("rollart")
+# After a restart, how long a sharded trainer waits for all its workers before it resumes on
+# fewer ranks.
+RANK_WAIT_S = 60.0
 
 
 def check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
@@ -57,11 +63,21 @@ class DaskServices:
         self.engine_addr: dict[int, str] = {}  # replica index -> its worker
         self.replacements = 0
         self.building: dict[int, tuple[Any, str]] = {}  # replica index -> (actor future, worker)
+        self.trainer_workers: list[str] = []  # a sharded trainer's ranks' workers, by rank
 
     def restart(self) -> None:
         """Before the services are created again (a lost trainer or rollout service): fresh
-        actor keys, and the workers that are there now."""
+        actor keys, and the workers that are there now. The workers of a sharded trainer's
+        old ranks are restarted first: a rank whose peer was lost sits in a collective until
+        train.dist_timeout_s, holding its worker's actor thread and its process group."""
         self.attempt += 1
+        if self.trainer_workers:
+            present = set(worker_classes(self.client).get(self.roles["trainer"], []))
+            old = [w for w in self.trainer_workers if w in present]
+            if old:
+                self.client.restart_workers(old, timeout=self.run.cfg.cluster.call_timeout_s,
+                                            raise_for_error=False)
+            self.trainer_workers = []
         # The lost worker's replacement (a nanny restart, the cluster manager) may still be on
         # its way: wait for every class, as long as a call may take.
         deadline = time.monotonic() + self.run.cfg.cluster.call_timeout_s
@@ -73,6 +89,13 @@ class DaskServices:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
+        # A sharded trainer waits a while more for all its workers, then goes on with fewer
+        # ranks (its checkpoint resumes at any world size).
+        want, hw = self.run.cfg.train.world_size, self.roles["trainer"]
+        deadline = time.monotonic() + min(RANK_WAIT_S, self.run.cfg.cluster.call_timeout_s)
+        while len(self.classes.get(hw, [])) < want and time.monotonic() < deadline:
+            time.sleep(0.5)
+            self.classes = check_classes(self.client, self.run.cfg)
         self.engine_addr.clear()
         self.building.clear()
 
@@ -82,9 +105,14 @@ class DaskServices:
     def trainer(self) -> Actor | TrainerGroup:
         # A key per attempt: a restarted run never gets the lost trainer's key (which Dask may
         # still be re-creating on the restarted worker) back as its "new" trainer.
-        world = self.run.cfg.train.world_size
-        if world == 1:
-            actor = self._actor(TrainerService, resources={self.roles["trainer"]: 1},
+        hw = self.roles["trainer"]
+        want = self.run.cfg.train.world_size
+        world = min(want, len(self.classes.get(hw, []))) if self.attempt else want
+        if world < want:
+            log.warning("%d of %d trainer-class workers: the trainer resumes on %d rank(s)",
+                        world, want, world)
+        if world <= 1:
+            actor = self._actor(TrainerService, resources={hw: 1},
                                 key=f"trainer-{self.run.run_id}-{self.attempt}")
             self.placed("trainer_service", call(actor, "where"))
             return actor
@@ -108,9 +136,9 @@ class DaskServices:
             TrainerService, self.run, r, world, (host, port), actor=True, workers=[addr],
             resources={hw: 1}, key=f"trainer-{self.run.run_id}-{self.attempt}-r{r}")
             for r, addr in enumerate(workers)]
+        self.trainer_workers = workers
         group = TrainerGroup([f.result() for f in futures])
-        where = group.where()
-        self.placed("trainer_service", where)
+        self.placed("trainer_service", group.where())
         return group
 
     def engines(self) -> list[Actor]:

@@ -43,7 +43,9 @@ def make_engine(cfg: RunConfig, model: nn.Module, tokenizer: PreTrainedTokenizer
         kv_cache_mb=v.kv_cache_mb, gpu_memory_utilization=v.gpu_memory_utilization,
         enable_prefix_caching=v.prefix_caching, enforce_eager=v.enforce_eager,
         inplace_weights=v.inplace_weights,
-        sleep_mode=v.sleep_mode, extra_args=v.extra, **kwargs,
+        sleep_mode=v.sleep_mode,
+        extra_args={**({"tensor_parallel_size": v.tensor_parallel_size}
+                       if v.tensor_parallel_size > 1 else {}), **v.extra}, **kwargs,
     )
     if cfg.model.source == "hf_dir" and cfg.model.path:
         return VLLMEngine(cfg.model.path, tokenizer, **opts)

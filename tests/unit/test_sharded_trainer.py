@@ -112,3 +112,19 @@ def test_world_size_larger_than_the_trainer_workers_is_refused():
         load_config(default, ["train.world_size=2"])
     cfg = load_config(default, ["train.world_size=2", "cluster.workers.H800=2"])
     assert cfg.train.world_size == 2
+
+
+def test_shardings_a_machine_or_model_cannot_take_are_refused(tmp_path):
+    """Tensor parallelism without CUDA, and a model whose layers the trainer cannot shard:
+    one line naming the key, before anything starts."""
+    default = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="engine.vllm.tensor_parallel_size"):
+            load_config(default, ["engine.vllm.tensor_parallel_size=2"])
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    sharded = ["train.world_size=2", "cluster.workers.H800=2", "model.source=hf_dir",
+               f"model.path={tmp_path}"]
+    with pytest.raises(ConfigError, match="train.world_size > 1 shards the model"):
+        load_config(default, sharded)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert load_config(default, sharded).train.world_size == 2
