@@ -31,6 +31,11 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: torch.device) -> Batch:
+        """Every tensor on `device` (a sharded trainer's GPU); the row lists as they are."""
+        return Batch(*(v.to(device) if isinstance(v, Tensor) else v
+                       for v in (getattr(self, f) for f in self.__dataclass_fields__)))
+
     def select(self, idx: slice | Tensor) -> Batch:
         """The rows `idx` (a slice, or a long tensor of row indices)."""
         def rows(f: str) -> object:

@@ -53,6 +53,8 @@ def init_group(ranks: Ranks, host: str, port: int, timeout_s: float) -> str:
     process (a restarted run) is torn down first: one default group per process."""
     destroy_group()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per rank of a host (each worker may see them all)
+        torch.cuda.set_device(ranks.rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=ranks.rank,
                             world_size=ranks.world,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -119,10 +121,27 @@ def plan_rows(lengths: list[int], world: int, rank: int, size: int) -> list[list
     return [mine[j * size:(j + 1) * size] for j in range(n_micro)]
 
 
+def device_for(ranks: Ranks) -> torch.device:
+    """Where a rank trains: its GPU when sharded over nccl, else the CPU (an unsharded trainer
+    stays on the CPU, beside engines that share its weights through /dev/shm)."""
+    if ranks.sharded and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _comm_device() -> torch.device:
+    """nccl reduces CUDA tensors only; gloo CPU ones."""
+    return device_for(Ranks(0, 2)) if dist.is_initialized() else torch.device("cpu")
+
+
 def all_reduce_sum(t: Tensor, ranks: Ranks) -> Tensor:
     """The elementwise sum of `t` over the ranks (`t` itself when not sharded)."""
     if ranks.sharded:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dev = _comm_device()
+        moved = t.to(dev)
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+        if moved is not t:
+            t.copy_(moved)
     return t
 
 
@@ -144,13 +163,15 @@ def all_gather_json(obj: object, ranks: Ranks) -> list[object]:
     data = json.dumps(obj, sort_keys=True).encode()
     if not ranks.sharded:
         return [json.loads(data)]
-    n = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ranks.world)]
+    dev = _comm_device()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ranks.world)]
     dist.all_gather(sizes, n)
     width = int(max(s.item() for s in sizes))
     mine = torch.zeros(width, dtype=torch.uint8)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    parts = [torch.zeros(width, dtype=torch.uint8) for _ in range(ranks.world)]
-    dist.all_gather(parts, mine)
+    parts = [torch.zeros(width, dtype=torch.uint8, device=dev) for _ in range(ranks.world)]
+    dist.all_gather(parts, mine.to(dev))
+    parts = [p.cpu() for p in parts]
     return [json.loads(bytes(p[:int(s.item())].tolist())) for p, s in zip(parts, sizes,
                                                                            strict=True)]

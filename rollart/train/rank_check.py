@@ -52,7 +52,7 @@ def load_model(spec: str, seed: int) -> torch.nn.Module:
         return tiny_model(seed)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(spec, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
 
 
 def make_batch(model: torch.nn.Module, rows: int, seed: int, max_len: int) -> list[Trajectory]:
@@ -146,12 +146,12 @@ def run_rank(rank: int, world: int, port: int, out: Path, model_spec: str, updat
         times.append(time.perf_counter() - t0)
         if save_at and u + 1 == save_at:
             save(trainer, store, save_at)
-            at_save = {k: full(v).detach().contiguous().clone()
+            at_save = {k: full(v).detach().cpu().contiguous().clone()
                        for k, v in model.state_dict().items() if k != "lm_head.weight"}
             if rank == 0:
                 safetensors.torch.save_file(at_save, str(out / "params_at_save.safetensors"))
     held = held_bytes(trainer)
-    state = {k: full(v).detach().contiguous().clone() for k, v in model.state_dict().items()}
+    state = {k: full(v).detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         safetensors.torch.save_file({k: v for k, v in state.items()
                                      if k != "lm_head.weight"}, str(out / "params.safetensors"))

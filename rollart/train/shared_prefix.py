@@ -62,7 +62,7 @@ def shared_prefix_hidden(base: nn.Module, input_ids: Tensor, loss_mask: Tensor,
     if prefix < min_prefix:
         return base(input_ids=input_ids).last_hidden_state
     # A row's states are needed up to the target of its last trained position.
-    last = torch.where(trained, torch.arange(t - 1), -1).amax(1)  # [B]
+    last = torch.where(trained, torch.arange(t - 1, device=trained.device), -1).amax(1)  # [B]
     need = [max(int(j) + 2, prefix + 1) for j in last]
     return _prefix_then_suffix(base, input_ids, groups, prefix, need)
 
@@ -107,7 +107,7 @@ def _prefix_then_suffix(base: nn.Module, ids: Tensor, groups: list[list[int]], p
     from transformers.cache_utils import DynamicLayer
 
     b, t = ids.shape
-    owner = torch.empty(b, dtype=torch.long)  # [B] group index of each row
+    owner = torch.empty(b, dtype=torch.long, device=ids.device)  # [B] group of each row
     for g, rows in enumerate(groups):
         owner[rows] = g
     heads = [rows[0] for rows in groups]
@@ -125,10 +125,11 @@ def _prefix_then_suffix(base: nn.Module, ids: Tensor, groups: list[list[int]], p
         else:
             cache = pre.past_key_values
             cache.batch_select_indices(owner)  # [G, ...] -> [B, ...]
-        positions = torch.arange(p, end).unsqueeze(0).expand(len(rows), -1)  # [n, end-p]
+        positions = torch.arange(p, end, device=ids.device).unsqueeze(0).expand(len(rows), -1)
         out = base(input_ids=ids[rows, p:end], past_key_values=cache, use_cache=True,
-                   position_ids=positions, cache_position=torch.arange(p, end))
+                   position_ids=positions,  # [n, end-p]
+                   cache_position=torch.arange(p, end, device=ids.device))
         parts.append(torch.nn.functional.pad(out.last_hidden_state, (0, 0, 0, t - end)))
-        index.append(torch.tensor(rows))
+        index.append(torch.tensor(rows, device=ids.device))
     suffix = torch.cat(parts)[torch.argsort(torch.cat(index))]  # [B, T-p, H] in row order
     return torch.cat([pre.last_hidden_state[owner], suffix], 1)

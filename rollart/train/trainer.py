@@ -28,7 +28,14 @@ from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.config import AlgoConfig, TrainConfig
 from rollart.storage.weights import tie_key
 from rollart.train.batch import Batch, TokenLogits, collate
-from rollart.train.distributed import SINGLE, Ranks, all_reduce_sum, full, plan_rows
+from rollart.train.distributed import (
+    SINGLE,
+    Ranks,
+    all_reduce_sum,
+    device_for,
+    full,
+    plan_rows,
+)
 from rollart.train.distributed import shard as shard_model
 from rollart.train.state_io import load_optimizer, load_rng, optimizer_files, rng_files
 from rollart.types import Trajectory
@@ -49,7 +56,9 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, train: TrainConfig,
                  temperature: float = 1.0, pad_id: int = 0, ranks: Ranks = SINGLE,
                  mixed_precision: bool = False) -> None:
-        self.model = model.train()
+        # A sharded trainer on a CUDA machine trains on its rank's GPU (nccl); otherwise the CPU.
+        self.device = device_for(ranks)
+        self.model = model.to(self.device).train()
         self.algo, self.cfg, self.ranks = algo, train, ranks
         # The loss's own hyper-parameters, from the algo config fields named like them.
         self.loss_params = select_loss_params(algo.loss, algo.model_dump())
@@ -89,7 +98,7 @@ class Trainer:
         sel = batch.loss_mask > 0
         logits = self._policy(model)(batch)  # [N, V]
         lp = token_logprobs(logits[None], batch.targets[sel][None], self.temperature)[0]  # [N]
-        zeros = torch.zeros(sel.shape, dtype=lp.dtype)
+        zeros = lp.new_zeros(sel.shape)
         ent = zeros.masked_scatter(sel, entropy_from_logits(logits)) if entropy else None
         return zeros.masked_scatter(sel, lp), ent
 
@@ -114,6 +123,8 @@ class Trainer:
         if not trajs:
             return {"train/skipped": 1.0}
         batch = collate(trajs, self.pad_id, self._vocab_size())
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
         algo = self.algo
         plan = self._micro_plan(batch)  # this rank's micro-batches: (rows, Batch, weight on)
         ref_parts = None
@@ -209,10 +220,10 @@ class Trainer:
         """Per-micro-batch rows [b_i, T-1] of every rank -> the whole batch's [B, T-1]."""
         if self.ranks.world == 1:
             return torch.cat(parts)
-        out = torch.zeros(batch.loss_mask.shape, dtype=parts[0].dtype)
+        out = parts[0].new_zeros(batch.loss_mask.shape)
         for (idx, _, real), part in zip(plan, parts, strict=True):
             if real:
-                out[idx] = part
+                out[idx.to(out.device)] = part
         return all_reduce_sum(out, self.ranks)
 
     def _batch_kl(self, batch: Batch, plan: list[tuple[Tensor, Batch, bool]],
@@ -256,7 +267,7 @@ class Trainer:
         for k, v in self.model.state_dict().items():
             whole = full(v).detach()
             if self.ranks.rank == 0:
-                out[k] = whole.clone() if whole is v else whole
+                out[k] = whole.clone() if whole is v else whole.cpu()
         return out
 
     def meta_files(self) -> dict[str, bytes]:
