@@ -286,6 +286,7 @@ class TrainConfig(_Strict):
     threads: int = Field(2, gt=0)  # torch intra-op threads on the trainer worker while updating
     # A GRPO group's common prompt goes through the model once per micro-batch, its K/V shared
     # by the members (rollart/train/shared_prefix.py); same loss and gradient, fewer FLOPs.
+    # One rank only: a sharded trainer (world_size > 1) runs the plain forward.
     shared_prefix: bool = True
     # Trust-region guard: after the epochs, the mean per-token KL(policy at update start || new)
     # on the batch's model tokens (k3 estimate); above max_kl the step is scaled back along the

@@ -67,8 +67,12 @@ class Trainer:
         self.ref_model = None
         if algo.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.policy = TokenLogits(model, train.shared_prefix)
-        self.ref_policy = (TokenLogits(self.ref_model, train.shared_prefix)
+        # Sharded: the plain forward. The shared-prefix forward calls the model a number of
+        # times that depends on the rows, and every call of a sharded layer is a collective
+        # that each rank must make alike.
+        prefix = train.shared_prefix and not ranks.sharded
+        self.policy = TokenLogits(model, prefix)
+        self.ref_policy = (TokenLogits(self.ref_model, prefix)
                            if self.ref_model is not None else None)
         if ranks.sharded:  # every parameter becomes this rank's shard (a DTensor)
             shard_model(self.policy, model, ranks.world, mixed_precision)
@@ -89,7 +93,7 @@ class Trainer:
         if model is self.ref_model and self.ref_policy is not None:
             return self.ref_policy
         return model if isinstance(model, TokenLogits) else TokenLogits(model,
-                                                                        self.cfg.shared_prefix)
+                                                                        self.policy.shared_prefix)
 
     def _token_logprobs(self, model: torch.nn.Module, batch: Batch,
                         entropy: bool = False) -> tuple[Tensor, Tensor | None]:
