@@ -6,6 +6,7 @@ benchmarks); `call` hides the difference between an actor future and a direct re
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,14 @@ import torch
 
 from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import dump_config
-from rollart.handles import attach, call, call_while_present, set_call_timeout, worker_identity
+from rollart.handles import (
+    attach,
+    call,
+    call_timeout,
+    call_while_present,
+    set_call_timeout,
+    worker_identity,
+)
 from rollart.metrics import reward_metrics, rollout_metrics
 from rollart.models.run_model import chat_format, prepare_tokenizer
 from rollart.rewards.client import make_reward_client
@@ -189,13 +197,12 @@ def push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
                                                    default=0.0)},
             **worker_identity(),
         }
-    # Same host: engines copy from the trainer's /dev/shm file; any other engine gets the
-    # tensors through the call (exported once, only if needed).
+    # Same host: engines copy from the trainer's /dev/shm file; every other engine gets the
+    # weights straight from the trainer's process, streamed along a chain of engines.
     shared = call(trainer, "share_weights") if call(trainer, "shared_memory_sync") else None
-    pauses, state, version = [], None, shared["version"] if shared else -1
-    nbytes, via_shm, skipped = float(shared["bytes"]) if shared else 0.0, 0, []
+    pauses, skipped, remote, via_shm = [], [], [], 0
     for i, e in enumerate(engines):
-        try:  # None from the call: it cannot map the file (another host), send tensors
+        try:  # None from the call: it cannot map the file (another host)
             out = call(e, "load_shared_weights", shared) if shared else None
         except Exception as err:
             if not is_replica_loss(err):
@@ -203,27 +210,70 @@ def push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
             skipped.append(i)
             continue
         if out is None:
-            if state is None:
-                version, state = call(trainer, "export_weights")
-                nbytes = float(sum(v.numel() * v.element_size() for v in state.values()))
-            out = _tolerant(e, "update_weights", version, state)
-            if out is None:
-                skipped.append(i)
-                continue
+            remote.append(i)
         else:
             via_shm += 1
-        pauses.append(out["pause_s"])
-    if state is None and not shared:  # every replica lost: still say which version is current
-        version = call(trainer, "export_weights")[0]
+            pauses.append(out["pause_s"])
+    streamed = _stream(trainer, engines, remote, skipped) if remote else {}
+    pauses += streamed.get("pauses", [])
+    if shared:
+        version = shared["version"]
+    elif streamed.get("version") is not None:
+        version = streamed["version"]
+    else:  # nothing was sent (every replica lost): still say which version is current
+        version = call(trainer, "weight_version")
     return {
         "version": version,
-        "skipped": skipped,
+        "skipped": sorted(skipped),
         "metrics": {"perf/sync_s": time.perf_counter() - t0,
                     "perf/sync_pause_s": max(pauses, default=0.0),
                     "perf/sync_skipped": float(len(skipped)),
-                    "perf/sync_bytes": nbytes, "perf/sync_shm_engines": float(via_shm)},
+                    "perf/sync_bytes": float(shared["bytes"]) if shared else float(
+                        streamed.get("bytes", 0.0)),
+                    "perf/sync_shm_engines": float(via_shm),
+                    "perf/sync_stream_engines": float(streamed.get("engines", 0)),
+                    "perf/sync_stream_s": float(streamed.get("seconds", 0.0))},
         **worker_identity(),
     }
+
+
+def _stream(trainer: Any, engines: list[Any], which: list[int],
+            skipped: list[int]) -> dict[str, Any]:
+    """Weights from the trainer's process to engines `which`, one pipelined stream through
+    them all (rollart/engines/weight_stream.py): the flow process passes only addresses and a
+    random token. A replica lost on the way is added to `skipped` and the stream is sent again
+    without it (once)."""
+    timeout_s = float(call_timeout() or 600.0)
+    for attempt in range(2):
+        token = secrets.token_bytes(32)
+        chain: list[tuple[int, tuple[str, int]]] = []
+        for i in which:
+            addr = _tolerant(engines[i], "open_weight_stream", token, timeout_s)
+            if addr is None:
+                skipped.append(i)
+            else:
+                chain.append((i, tuple(addr)))
+        if not chain:
+            return {}
+        try:
+            sent = call(trainer, "stream_weights", [a for _, a in chain], token, timeout_s,
+                        while_alive=True)
+            outs = [(i, _tolerant(engines[i], "finish_weight_stream", timeout_s))
+                    for i, _ in chain]
+        except Exception:
+            for i, _ in chain:
+                _tolerant(engines[i], "abort_weight_stream")
+            lost = [i for i, _ in chain if _tolerant(engines[i], "weight_version") is None]
+            if attempt == 1 or not lost:
+                raise
+            skipped.extend(lost)
+            which = [i for i, _ in chain if i not in lost]
+            continue
+        skipped.extend(i for i, o in outs if o is None)
+        return {"version": sent["version"], "bytes": sent.get("bytes", 0.0),
+                "seconds": sent.get("seconds", 0.0), "engines": len(chain),
+                "pauses": [o["pause_s"] for _, o in outs if o is not None]}
+    return {}
 
 
 @timed_stage

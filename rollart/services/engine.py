@@ -11,6 +11,7 @@ import io
 import logging
 import time
 from typing import Any
+from urllib.parse import urlparse
 
 import safetensors.torch
 import torch
@@ -18,6 +19,7 @@ import torch
 from rollart.cpu_pinning import pin_to_class
 from rollart.engines import make_engine
 from rollart.engines.shared_weights import read_shared
+from rollart.engines.weight_stream import WeightReceiver
 from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.policy import param_count
 from rollart.models.run_model import build_model, param_checksum
@@ -53,6 +55,8 @@ class EngineService:
         self.replica = replica
         self.identity = worker_identity()
         self.sync_pauses: list[float] = []
+        self._rx: WeightReceiver | None = None  # the open weight stream, if any
+        self._rx_buffers: dict[str, torch.Tensor] | None = None  # its staging, kept
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         # Thread settings are per OS thread under OpenMP, and actor methods run on their own
@@ -74,6 +78,36 @@ class EngineService:
         if state is None:
             return None
         return self.update_weights(int(desc["version"]), state)
+
+    def open_weight_stream(self, token: bytes, timeout_s: float) -> tuple[str, int]:
+        """Listen for the trainer's next weights (rollart/engines/weight_stream.py) on this
+        worker's own address; returns (host, port) for the trainer. `token` (random per sync,
+        sent over the authenticated Dask connection) is what the upstream must prove."""
+        self.abort_weight_stream()
+        host = urlparse(self.identity.get("address") or "").hostname or "127.0.0.1"
+        self._rx = WeightReceiver(host, token, timeout_s, buffers=self._rx_buffers)
+        return self._rx.address
+
+    def finish_weight_stream(self, timeout_s: float) -> dict[str, Any]:
+        """Wait for the stream opened last, then serve its weights (between two generate calls,
+        as every sync). Its tensors are received into again at the next sync."""
+        rx, self._rx = self._rx, None
+        if rx is None:
+            raise RuntimeError("finish_weight_stream without open_weight_stream")
+        try:
+            version, state, stats = rx.result(timeout=timeout_s)
+        finally:
+            rx.close()
+        self._rx_buffers = state
+        out = self.update_weights(version, retie(state, self.engine.model))
+        return {**out, "stream_s": float(stats.get("seconds", 0.0)),
+                "bytes": float(stats.get("bytes", 0.0))}
+
+    def abort_weight_stream(self) -> None:
+        """Drop a stream that will not complete (the sync failed elsewhere)."""
+        rx, self._rx = self._rx, None
+        if rx is not None:
+            rx.close()
 
     def pull_weights(self, version: int) -> dict[str, float]:
         """Load a published weight version from the store (`weights/v{version}/`)."""

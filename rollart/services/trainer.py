@@ -22,6 +22,7 @@ from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
 from rollart.storage.checkpointing import Checkpointer
 from rollart.train.distributed import Ranks, all_reduce_sum, destroy_group, init_group, local
+from rollart.train.stream_out import stream_weights
 from rollart.train.trainer import Trainer
 from rollart.types import Trajectory
 
@@ -84,6 +85,17 @@ class TrainerService:
 
     def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.trainer.version, self.trainer.export_weights()
+
+    def stream_weights(self, chain: list[tuple[str, int]], token: bytes,
+                       timeout_s: float) -> dict[str, Any]:
+        """The current weights straight to the engines listening at `chain` (a pipeline:
+        each forwards to the next); every rank gathers, rank 0 sends (rollart/train/
+        stream_out.py)."""
+        return {**stream_weights(self.trainer, [tuple(a) for a in chain], token, timeout_s),
+                "version": self.trainer.version}
+
+    def weight_version(self) -> int:
+        return self.trainer.version
 
     def rank(self) -> int:
         return self.ranks.rank

@@ -55,6 +55,12 @@ class TrainerGroup:
     def export_weights(self) -> tuple[int, dict]:
         return self._all("export_weights")
 
+    def stream_weights(self, chain: list, token: bytes, timeout_s: float) -> dict[str, Any]:
+        return self._all("stream_weights", chain, token, timeout_s)
+
+    def weight_version(self) -> int:
+        return self._first("weight_version")
+
     def share_weights(self) -> dict[str, Any]:
         raise RuntimeError("a sharded trainer holds no full copy to share; it exports instead")
 

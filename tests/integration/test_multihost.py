@@ -1,8 +1,10 @@
 """Several hosts for real on one machine: network namespaces made here (infra/netns.py: veth
 pairs on a private bridge, their own addresses; removed at the end, also on failure). The Dask
-scheduler runs on one host, the S3 store (SeaweedFS) on another, the GPU classes (trainer H800,
-engine H20) on a third, the env class (CPU) on a fourth; the run's flow (this process) reaches
-them over the bridge. Nothing is on loopback: a component that assumed one box would fail."""
+scheduler runs on one host, the S3 store (SeaweedFS) on another, the trainer class (H800) on a
+third, the engine class (H20) on a fourth, the env class (CPU) on a fifth; the run's flow (this
+process) reaches them over the bridge. Nothing is on loopback: a component that assumed one box
+would fail. The trainer's weights reach the engine's host as a stream between the two (never
+through the flow process)."""
 
 from __future__ import annotations
 
@@ -40,16 +42,17 @@ def _wait_workers(address: str, want: dict[str, int], timeout: float = 180.0) ->
 @contextlib.contextmanager
 def namespace_cluster(tmp_path, monkeypatch, env_hosts: list[str],
                       worker_ttl: str | None = None):
-    """Hosts sched, store, gpu and `env_hosts`; the scheduler, S3, an H800 and an H20 worker on
-    gpu, one CPU worker per env host (named CPU-0, CPU-1, ... in that order). `worker_ttl`: how
-    long the scheduler waits for a silent worker's heartbeat before it counts it dead."""
+    """Hosts sched, store, gpu, gpu2 and `env_hosts`; the scheduler, S3, an H800 worker on gpu,
+    an H20 worker on gpu2, one CPU worker per env host (named CPU-0, CPU-1, ... in that order).
+    `worker_ttl`: how long the scheduler waits for a silent worker's heartbeat before it
+    counts it dead."""
     from infra.dask_cluster import WORKER_ENVIRON
     from infra.netns import NetnsHosts
     from infra.seaweed import start_seaweed
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    with NetnsHosts(["sched", "store", "gpu", *env_hosts]) as net:
+    with NetnsHosts(["sched", "store", "gpu", "gpu2", *env_hosts]) as net:
         s3 = start_seaweed(tmp_path / "s3", host=net.addr("store"),
                            launcher=["ip", "netns", "exec", net.hosts["store"].netns])
         try:
@@ -75,7 +78,7 @@ def namespace_cluster(tmp_path, monkeypatch, env_hosts: list[str],
                              f"{hw}=1", "--memory-limit", "0", "--no-dashboard"], f"{name}.log")
 
             worker("gpu", "H800", "H800-0")
-            worker("gpu", "H20", "H20-0")
+            worker("gpu2", "H20", "H20-0")
             for i, host in enumerate(env_hosts):
                 worker(host, "CPU", f"CPU-{i}")
                 # One at a time: the first env worker (it will hold the rollout service) is
@@ -123,17 +126,20 @@ def test_a_host_removed_mid_run(prefect_api, tmp_path, monkeypatch):
             f"cluster.address={sched}", "iterations=4", "rollout.num_groups=2",
             "rollout.group_size=4", "eval.episodes=4", "eval.every=0", "storage.save_every=4",
             "tasks.0.max_turns=3", "reward.backend=local", "rollout.env_timeout_s=5",
-            "tasks.0.latency={median_s: 0.05}", *s3.overrides("lost")])
+            "tasks.0.latency={median_s: 0.05}", *s3.overrides("lost"),
+            # The namespace hosts share this machine's /dev/shm: the trainer's shared file
+            # would reach gpu2 too, which a real second machine's engine could not map.
+            "engine.shared_memory_sync=false"])
         remover.join(timeout=5)
         # Each worker lives at its host's own address (not loopback, not the test's bridge),
         # and every stage ran on the worker of its class, on that class's host.
-        assert where == {"H800-0": net.addr("gpu"), "H20-0": net.addr("gpu"),
+        assert where == {"H800-0": net.addr("gpu"), "H20-0": net.addr("gpu2"),
                          "CPU-0": net.addr("env"), "CPU-1": net.addr("env2")}, where
         for stage, (hw, hosts) in {"collect": ("CPU", ("env", "env2")),
                                    "update": ("H800", ("gpu",)),
-                                   "sync_weights": ("H20", ("gpu",)),
+                                   "sync_weights": ("H20", ("gpu2",)),
                                    "trainer_service": ("H800", ("gpu",)),
-                                   "engine_service": ("H20", ("gpu",))}.items():
+                                   "engine_service": ("H20", ("gpu2",))}.items():
             for rec in out["placement"][stage]:
                 assert rec["worker"].startswith(f"{hw}-") and where[rec["worker"]] in [
                     net.addr(h) for h in hosts], (stage, rec)
@@ -142,6 +148,12 @@ def test_a_host_removed_mid_run(prefect_api, tmp_path, monkeypatch):
         assert not net.pids("env2")
         rows = [json.loads(line) for line in fs.cat(metrics).decode().splitlines() if line]
     assert [r["iteration"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+    # Every sync streamed the weights from the trainer's host to the engine's (no shared file
+    # across hosts, nothing through the flow).
+    synced = [r for r in rows if "perf/sync_s" in r]
+    assert synced and all(r["perf/sync_stream_engines"] == 1.0 and
+                          r["perf/sync_shm_engines"] == 0.0 for r in synced), [
+        (r.get("perf/sync_stream_engines"), r.get("perf/sync_shm_engines")) for r in synced]
     counters = out["rollout"]["counters"]
     assert counters.get("hosts_lost") == 1, out["rollout"]["recent_errors"]
     assert out["rollout"]["hosts_alive"] == [True, False]

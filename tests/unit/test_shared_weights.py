@@ -7,6 +7,7 @@ import safetensors.torch
 import torch
 
 from rollart.engines.shared_weights import SharedWeightsWriter, host_id, read_shared
+from rollart.engines.weight_stream import WeightReceiver, send_weights
 from rollart.stages import push_weights
 from rollart.storage.weights import serialize_weights
 
@@ -86,6 +87,7 @@ def test_another_host_gets_none(tmp_path):
 class _Trainer:
     def __init__(self, path) -> None:
         self.writer, self.state, self.exports = SharedWeightsWriter(path), _state(), 0
+        self.streams: list[list] = []
 
     def shared_memory_sync(self) -> bool:
         return True
@@ -100,10 +102,14 @@ class _Trainer:
         self.exports += 1
         return 7, self.state
 
+    def stream_weights(self, chain, token, timeout_s):
+        self.streams.append(list(chain))
+        return {**send_weights(chain, token, 7, self.state, timeout_s=timeout_s), "version": 7}
+
 
 class _Engine:
     def __init__(self, same_host: bool) -> None:
-        self.same_host, self.loaded = same_host, None
+        self.same_host, self.loaded, self.rx = same_host, None, None
 
     def load_shared_weights(self, desc):
         state = read_shared(desc if self.same_host else {**desc, "host": "x"})
@@ -115,13 +121,27 @@ class _Engine:
         self.loaded = (version, {k: v.clone() for k, v in state.items()})
         return {"pause_s": 0.0}
 
+    def open_weight_stream(self, token, timeout_s):
+        self.rx = WeightReceiver("127.0.0.1", token, timeout_s)
+        return self.rx.address
 
-def test_push_weights_uses_shm_on_host_and_sends_tensors_elsewhere(tmp_path):
+    def finish_weight_stream(self, timeout_s):
+        version, state, _ = self.rx.result(timeout_s)
+        self.rx.close()
+        return self.update_weights(version, state)
+
+
+def test_push_weights_uses_shm_on_host_and_streams_to_the_others(tmp_path):
+    """The engine on the trainer's host maps its file; the two elsewhere get one stream from
+    the trainer, through them both (a chain), and nothing goes through the caller: the
+    trainer never exports its weights to it."""
     trainer = _Trainer(tmp_path / "w.bin")
-    local, remote = _Engine(True), _Engine(False)
-    out = push_weights(trainer, [local, remote])
+    local, far1, far2 = _Engine(True), _Engine(False), _Engine(False)
+    out = push_weights(trainer, [local, far1, far2])
     assert out["version"] == 7 and out["metrics"]["perf/sync_shm_engines"] == 1.0
-    assert trainer.exports == 1  # only for the engine that could not map the file
-    for e in (local, remote):
+    assert out["metrics"]["perf/sync_stream_engines"] == 2.0
+    assert trainer.exports == 0
+    assert trainer.streams == [[far1.rx.address, far2.rx.address]]
+    for e in (local, far1, far2):
         assert e.loaded is not None and e.loaded[0] == 7
         assert all(torch.equal(e.loaded[1][k], v) for k, v in trainer.state.items())
