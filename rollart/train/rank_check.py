@@ -124,7 +124,7 @@ def save(trainer: Trainer, root: str, step: int) -> None:
 
 def run_rank(rank: int, world: int, port: int, out: Path, model_spec: str, updates: int,
              rows: int, lr: float, micro: int, max_len: int, seed: int, store: str = "",
-             save_at: int = 0, resume_from: int = 0) -> None:
+             save_at: int = 0, resume_from: int = 0, mixed_precision: int = 0) -> None:
     torch.set_num_threads(1)
     ranks = Ranks(rank, world)
     if world > 1:
@@ -135,7 +135,8 @@ def run_rank(rank: int, world: int, port: int, out: Path, model_spec: str, updat
                       kl_coef=0.0, loss_agg="seq_mean_token_mean")
     train = TrainConfig(lr=lr, epochs=1, micro_batch_size=micro, grad_clip=1.0, threads=1,
                         max_kl=0.0)
-    trainer = Trainer(model, algo, train, pad_id=0, ranks=ranks)
+    trainer = Trainer(model, algo, train, pad_id=0, ranks=ranks,
+                      mixed_precision=bool(mixed_precision))
     if resume_from:
         files, _ = _store(store).load_checkpoint(resume_from)
         trainer.load_checkpoint_files(files)
@@ -194,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", default="", help="run store root for --save-at/--resume-from")
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--resume-from", type=int, default=0)
+    ap.add_argument("--mixed-precision", type=int, default=0, help="1: bf16 compute (CUDA)")
     a = ap.parse_args(argv)
     kw = dict(updates=a.updates, rows=a.rows, lr=a.lr, micro=a.micro, max_len=a.max_len,
-              seed=a.seed, store=a.store, save_at=a.save_at, resume_from=a.resume_from)
+              seed=a.seed, store=a.store, save_at=a.save_at, resume_from=a.resume_from,
+              mixed_precision=a.mixed_precision)
     if a.rank is not None:
         run_rank(a.rank, a.world, a.port, a.out, model_spec=a.model, **kw)
     else:
