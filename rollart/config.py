@@ -307,6 +307,9 @@ class TrainConfig(_Strict):
 class EvalConfig(_Strict):
     episodes: int = Field(32, ge=0)
     every: int = Field(10, ge=0)  # 0: only at the end
+    # Also evaluate the initial policy before the first update (a fresh run, not a resume):
+    # a metrics row with iteration -1 and version 0, the baseline the curve starts from.
+    before_training: bool = False
     # Early stop: end the run (after a checkpoint) once `stop_after` greedy evaluations in a
     # row reach `stop_at`. None: run all `iterations`. Acts only on periodic evaluations
     # (episodes > 0 and every > 0), so `--set eval.every=0` also turns it off.

@@ -196,6 +196,8 @@ class IterationDriver:
             self.restored = stages.restore(trainer, engines, resume_step)
             first = int(self.restored["next_iteration"])
         self.placed("sync_weights", info(self.runner.submit("sync_weights", trainer, engines)))
+        if resume_step is None and self.cfg.eval.before_training and self.cfg.eval.episodes:
+            self._evaluate_initial(engines)
         rollout = f.rollout(engines, hosts, first)
         if self.restored is not None:  # async runs: the groups it held at the checkpoint
             state, pending = call(trainer, "take_rollout_state")
@@ -208,6 +210,16 @@ class IterationDriver:
             self.supervisor.start()
         self.t_start = time.perf_counter()
         return first
+
+    def _evaluate_initial(self, engines: list[Any]) -> None:
+        """`eval.before_training`: the initial policy's greedy evaluation, before any episode
+        of the run starts, as the metrics row of iteration -1 (version 0)."""
+        got = self.placed("evaluate", self.runner.info(self.runner.submit(
+            "evaluate", self.run, engines, self.cfg.eval.episodes)))
+        m = {"iteration": -1.0, "version": 0.0, **got["metrics"]}
+        self.store.append_jsonl("metrics.jsonl", m)
+        for sink in self.sinks:
+            sink.write(0, m)
 
     # ---- one iteration -------------------------------------------------------------------
     def iteration(self, it: int) -> IterationResult:

@@ -147,6 +147,21 @@ def test_driver_runs_the_stages_in_order_and_merges_metrics(tmp_path):
     assert [r["worker"] for r in driver.placed.by_stage["checkpoint"]] == ["checkpoint"] * 2
 
 
+def test_eval_before_training_evaluates_the_initial_policy_first(tmp_path):
+    """`eval.before_training`: one evaluation after the first sync and before the rollout
+    service starts, written as the row of iteration -1 (version 0)."""
+    cfg = cfg_with(tmp_path, "iterations=1", "eval.every=0", "eval.episodes=2",
+                   "eval.before_training=true")
+    log: list[Any] = []
+    driver = IterationDriver(RunSpec(cfg, "r"), Runner(log), Factory(log))
+    driver.iterations(driver.start())
+    assert log[:5] == [("prepare",), ("trainer",), ("sync_weights",), ("evaluate", 2),
+                       ("rollout", 0)]
+    rows = driver.store.read_jsonl("metrics.jsonl")
+    assert rows[0]["iteration"] == -1.0 and rows[0]["version"] == 0.0
+    assert "perf/evaluate" in rows[0] and [r["iteration"] for r in rows[1:]] == [0.0]
+
+
 def test_driver_stop_when_ends_the_run_early(tmp_path):
     cfg = cfg_with(tmp_path, "iterations=10", "storage.save_every=100", "eval.episodes=2")
     log: list[Any] = []
