@@ -8,7 +8,9 @@ learning the format before it could learn the task. Walking a trie of the answer
 leaves exactly one choice that matters (which action), so every turn moves the agent.
 
 The engine and the trainer call the same `allowed_next`, so the log-probs the engine records and
-the ones the trainer recomputes are under the same per-position restriction.
+the ones the trainer recomputes are under the same per-position restriction. Turn languages too
+large to list (tool calls with free arguments) use rollart.action_grammar's token grammar, which
+has the same interface.
 """
 
 from __future__ import annotations

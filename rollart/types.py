@@ -26,6 +26,10 @@ class SamplingParams:
     # Answer grammar (HF engine): the complete completions a turn may spell; sampling walks
     # their prefix tree (rollart.answer_trie), inside the bag above. None = bag only.
     allowed_sequences: list[list[int]] | None = None
+    # Token grammar (HF engine; rollart.action_grammar.dump_grammar): a turn must spell a word
+    # of it, walked per token inside the bag above; for turn languages too large to list as
+    # sequences (tool calls with free arguments). Takes precedence over allowed_sequences.
+    grammar: str | None = None
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Trajectory:
     token_versions: list[int]  # policy version per token; -1 where loss_mask == 0
     allowed_token_ids: list[Int32] | None = None  # sampling restriction the log-probs are under
     allowed_sequences: list[list[Int32]] | None = None  # answer grammar, if sampled under one
+    grammar: str | None = None  # token grammar (JSON), if sampled under one
     turns: list[Turn] = field(default_factory=list)
     env_return: float = 0.0  # sum of env rewards (task reward + format penalties)
     task_return: float = 0.0  # sum of task rewards alone

@@ -18,7 +18,9 @@ Behaviour log-prob (the trainer must recompute exactly this quantity):
 
 over the full vocabulary, *before* top-p truncation. A request with `allowed_token_ids`
 (constrained sampling) has every other logit set to -inf first, so its log-probs are under the
-restricted distribution; the trainer applies the same restriction.
+restricted distribution; the trainer applies the same restriction. A request with a grammar
+(`grammar`: a token grammar, rollart.action_grammar; else `allowed_sequences`: an answer trie)
+is restricted per step to the grammar's continuations of what the row generated so far.
 
 Finishing, per row: the eos token (`<|im_end|>`, kept) -> "eos"; a stop string appearing in the
 decoded generated text -> "stop" (tokens kept up to and including the token that completed it);
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from rollart.answer_trie import answer_trie
+from rollart.action_grammar import TokenTexts, token_texts, turn_walker
 from rollart.engines.base import AbortSet, engine_stats
 from rollart.routing.catalog import Slowdown
 from rollart.routing.emulation import ServiceModel
@@ -80,6 +82,11 @@ def sample_tokens(
             sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _walks(req: GenerationRequest) -> bool:
+    """Whether the request's allowed set changes per step (a token grammar or answer trie)."""
+    return req.params.grammar is not None or req.params.allowed_sequences is not None
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -131,6 +138,7 @@ class HFEngine:
         self.is_sleeping = False
         self._lock = threading.Lock()  # one generate / update_weights at a time
         self._aborted = AbortSet()
+        self._texts: TokenTexts | None = None  # token texts, made on a first token grammar
         if isinstance(emulate, ServiceModel):  # params unset: time the served model itself
             emulate = emulate.with_params(sum(p.numel() for p in model.parameters()))
         self.emulate = emulate  # emulated hardware (see module docstring); None: off
@@ -231,27 +239,34 @@ class HFEngine:
             return int(emb.out_features)
         return int(self.model.config.vocab_size)
 
-    @staticmethod
-    def _allowed_mask(reqs: list[GenerationRequest], vocab: int,
+    def _allowed_mask(self, reqs: list[GenerationRequest], vocab: int,
                       gen: list[list[int]] | None = None) -> Tensor | None:
         """[A, V] bool, True where a row may sample its next token; None when no row is
-        restricted. A row with an answer grammar gets the trie's continuations of what it has
-        generated so far (`gen`, one list per row); otherwise its token bag."""
-        if all(r.params.allowed_token_ids is None and r.params.allowed_sequences is None
-               for r in reqs):
+        restricted. A row with a grammar (token grammar or answer trie, `turn_walker`: the
+        trainer's own choice) gets its continuations of what the row has generated so far
+        (`gen`, one list per row); otherwise its token bag."""
+        if all(r.params.allowed_token_ids is None and not _walks(r) for r in reqs):
             return None
         mask = torch.ones((len(reqs), vocab), dtype=torch.bool)
         for j, r in enumerate(reqs):
-            if r.params.allowed_sequences is not None:
-                trie = answer_trie(r.params.allowed_sequences)
-                ids = trie.allowed_next(gen[j] if gen is not None else [])
-            elif r.params.allowed_token_ids is not None:
-                ids = r.params.allowed_token_ids
+            p = r.params
+            walker = turn_walker(p.grammar, p.allowed_sequences,
+                                 self._token_texts() if p.grammar is not None else None)
+            if walker is not None:
+                ids = walker.allowed_next(gen[j] if gen is not None else [])
+            elif p.allowed_token_ids is not None:
+                ids = p.allowed_token_ids
             else:
                 continue
             mask[j] = False
             mask[j, torch.tensor(ids, dtype=torch.long)] = True
         return mask
+
+    def _token_texts(self) -> TokenTexts:
+        """The tokenizer's token texts, what token grammars are built over (made once)."""
+        if self._texts is None:
+            self._texts = token_texts(self.tokenizer)
+        return self._texts
 
     def _stop_hit(self, token_ids: list[int], stops: list[str]) -> bool:
         # Decode only a tail window: a stop string of L chars spans at most L tokens (each token
@@ -284,8 +299,8 @@ class HFEngine:
             cache = DynamicCache(config=getattr(self.model, "config", None))
             logits = self._forward(input_ids, mask, pos, cache, "prefill")  # [A, V]
             allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1])  # [A, V]
-            # Only answer-grammar rows change their allowed set per step; a bag is sliced.
-            grammar = any(reqs[b].params.allowed_sequences is not None for b in active)
+            # Only grammar rows change their allowed set per step; a bag is sliced.
+            grammar = any(_walks(reqs[b]) for b in active)
             if allowed is not None:
                 logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
             next_pos = pos[:, -1:] + 1  # [A, 1]
@@ -323,7 +338,7 @@ class HFEngine:
                     active = [active[j] for j in keep]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [A, T + step]
                 logits = self._forward(tokens[:, None], mask, next_pos, cache)
-                if grammar:  # grammar rows move along their trie each step
+                if grammar:  # grammar rows move along their grammar each step
                     allowed = self._allowed_mask([reqs[b] for b in active], logits.shape[-1],
                                                  [gen[b] for b in active])
                 if allowed is not None:

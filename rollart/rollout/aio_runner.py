@@ -47,6 +47,7 @@ from rollart.rollout.batcher import EpisodeCancelled, LiveEpisode
 from rollart.rollout.env_manager import (
     EpisodeSpec,
     begin_episode,
+    constrain,
     fail_episode,
     finish_episode,
     new_episode,
@@ -243,8 +244,7 @@ class AsyncRunner:
         params = svc.params[st.task]
         ep = new_episode(EpisodeSpec(svc.tasks[st.task], st.seed, st.group_id, st.episode_id,
                                      st.iteration))
-        ep.traj.allowed_token_ids = params.allowed_token_ids
-        ep.traj.allowed_sequences = params.allowed_sequences
+        constrain(ep.traj, params)
         reason = "env_error"
         t0 = time.perf_counter()
         try:

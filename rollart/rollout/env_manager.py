@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from rollart.action_grammar import dump_grammar, token_grammar, token_texts
 from rollart.config import TaskConfig
 from rollart.envs import make_env
 from rollart.models.chat import ChatFormat
@@ -70,20 +71,45 @@ def answer_sequences(chat: ChatFormat, action_names: list[str]) -> list[list[int
 def constrained_params(params: SamplingParams, chat: ChatFormat, tasks: list[TaskConfig],
                        grammar: bool = False) -> dict[str, SamplingParams]:
     """Per-task sampling params: the task's `max_new_tokens` if set; constrained tasks get
-    `allowed_token_ids` (built from the env's action names, so this runs where env code may
-    run: an env-class worker) and, with `grammar` (engines that walk an answer trie: HF), the
-    answer sequences themselves."""
+    `allowed_token_ids` (built from the env, so this runs where env code may run: an env-class
+    worker) and, with `grammar` (engines that walk a grammar per token: HF), the walk itself.
+
+    An env with `action_names` gives the answer trie of `<answer>{action}</answer>` turns
+    (`allowed_sequences`); one without them but with an `action_grammar` (free tool calls) gives
+    the token grammar (`grammar`, rollart.action_grammar) and its bag (the grammar's tokens and
+    end of turn). A constrained task whose env has neither is refused: its bag would be end of
+    turn alone."""
     out = {}
     for task in tasks:
-        allowed, seqs = None, None
+        allowed, seqs, text = None, None, None
         if task.constrained:
             env = make_env(task)
-            allowed = answer_token_ids(chat, list(env.action_names))
-            seqs = answer_sequences(chat, list(env.action_names)) if grammar else None
+            names = list(env.action_names)
+            spec = None if names else getattr(env, "action_grammar", None)
             env.close()
+            if names:
+                allowed = answer_token_ids(chat, names)
+                seqs = answer_sequences(chat, names) if grammar else None
+            elif spec is not None:
+                texts = token_texts(chat.tokenizer)
+                text = dump_grammar(spec, chat.eos_id, texts)
+                allowed = list(token_grammar(text, texts).bag)
+                text = text if grammar else None
+            else:
+                raise ValueError(f"task {task.name!r}: constrained: true needs an env with "
+                                 "action_names or an action_grammar; set constrained: false")
         out[task.name] = replace(params, allowed_token_ids=allowed, allowed_sequences=seqs,
+                                 grammar=text,
                                  max_new_tokens=task.max_new_tokens or params.max_new_tokens)
     return out
+
+
+def constrain(traj: Trajectory, params: SamplingParams) -> None:
+    """Record on `traj` the restriction its turns are sampled under (the trainer re-applies it
+    per position, so recomputed log-probs are the engine's)."""
+    traj.allowed_token_ids = params.allowed_token_ids
+    traj.allowed_sequences = params.allowed_sequences
+    traj.grammar = params.grammar
 
 
 def _new_trajectory(spec: EpisodeSpec) -> Trajectory:
@@ -237,8 +263,7 @@ def run_episodes(
     by_task = params if isinstance(params, dict) else {s.task.name: params for s in specs}
     episodes = [start_episode(s, chat) for s in specs]
     for ep in episodes:
-        ep.traj.allowed_token_ids = by_task[ep.spec.task.name].allowed_token_ids
-        ep.traj.allowed_sequences = by_task[ep.spec.task.name].allowed_sequences
+        constrain(ep.traj, by_task[ep.spec.task.name])
         if ep.done and on_done is not None:  # reset failed
             on_done(finish_episode(ep))
     while True:

@@ -15,6 +15,7 @@ from rollart.rollout.env_host import HostedEnv
 from rollart.rollout.env_manager import (
     EpisodeSpec,
     apply_completion,
+    constrain,
     finish_episode,
     start_episode,
 )
@@ -31,8 +32,7 @@ def run_episode(svc: Any, live: LiveEpisode) -> None:
     env = HostedEnv(svc, live)
     ep = start_episode(spec, svc.chat, lambda task: env)
     reason = "env_error"
-    ep.traj.allowed_token_ids = params.allowed_token_ids
-    ep.traj.allowed_sequences = params.allowed_sequences
+    constrain(ep.traj, params)
     try:
         while not ep.done and not live.cancelled:
             req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rollart.action_grammar import token_texts
 from rollart.cpu_pinning import pin_to_class
 from rollart.engines.shared_weights import SharedWeightsWriter, shm_dir
 from rollart.handles import set_call_timeout, worker_identity
@@ -55,7 +56,8 @@ class TrainerService:
         self.trainer = Trainer(model, cfg.algo, cfg.train,
                                temperature=cfg.engine.temperature, pad_id=int(pad),
                                ranks=self.ranks,
-                               mixed_precision=cfg.train.mixed_precision == "bf16")
+                               mixed_precision=cfg.train.mixed_precision == "bf16",
+                               token_texts=token_texts(tok))  # token grammars' masks
         # Ledger, checkpoint snapshots and background uploads (rollart/storage/checkpointing.py)
         self.ckpt = Checkpointer(cfg, self.store)
         self.identity = worker_identity()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollart.answer_trie import answer_trie
+from rollart.action_grammar import TokenTexts, turn_walker
 from rollart.train.shared_prefix import shared_prefix_hidden
 from rollart.types import Trajectory
 
@@ -49,26 +49,29 @@ class Batch:
         return Batch(*(rows(f) for f in self.__dataclass_fields__))
 
 
-def _allowed_positions(trajs: list[Trajectory], t: int,
-                       vocab_size: int) -> tuple[Tensor | None, Tensor | None]:
+def _allowed_positions(trajs: list[Trajectory], t: int, vocab_size: int,
+                       texts: TokenTexts | None = None) -> tuple[Tensor | None, Tensor | None]:
     """(allowed_idx [B, T] per token, allowed_table [K, V]) or (None, None) if unconstrained.
 
-    A token under an answer grammar was sampled under the trie's continuations of the tokens
-    the model generated before it in the same turn (a turn is a run of loss_mask == 1); under a
-    bag, under the bag. Few distinct sets occur, so each is one row of a small table."""
-    if all(x.allowed_token_ids is None and x.allowed_sequences is None for x in trajs):
+    A token under a grammar (token grammar or answer trie: `turn_walker`, the engine's own
+    choice) was sampled under its continuations of the tokens the model generated before it in
+    the same turn (a turn is a run of loss_mask == 1); under a bag, under the bag. A token
+    grammar is rebuilt over `texts`, the tokenizer's token texts. Few distinct sets occur, so
+    each is one row of a small table."""
+    if all(x.allowed_token_ids is None and x.allowed_sequences is None and x.grammar is None
+           for x in trajs):
         return None, None
     rows: dict[tuple[int, ...] | None, int] = {None: 0}
     idx = torch.zeros((len(trajs), t), dtype=torch.long)
     for i, x in enumerate(trajs):
-        trie = answer_trie(x.allowed_sequences) if x.allowed_sequences else None
+        walker = turn_walker(x.grammar, x.allowed_sequences, texts)
         bag = tuple(x.allowed_token_ids) if x.allowed_token_ids is not None else None
         turn: list[int] = []  # model tokens of the current turn so far
         for j, (tok, m) in enumerate(zip(x.token_ids, x.loss_mask, strict=True)):
             if not m:
                 turn = []
                 continue
-            ids = trie.allowed_next(turn) if trie is not None else bag
+            ids = walker.allowed_next(turn) if walker is not None else bag
             idx[i, j] = rows.setdefault(ids, len(rows))
             turn.append(tok)
     table = torch.ones((len(rows), vocab_size), dtype=torch.bool)
@@ -79,7 +82,10 @@ def _allowed_positions(trajs: list[Trajectory], t: int,
     return idx, table
 
 
-def collate(trajs: list[Trajectory], pad_id: int, vocab_size: int | None = None) -> Batch:
+def collate(trajs: list[Trajectory], pad_id: int, vocab_size: int | None = None,
+            token_texts: TokenTexts | None = None) -> Batch:
+    """The padded batch; with `vocab_size`, the per-position sampling restriction too
+    (`token_texts`: needed for trajectories sampled under a token grammar)."""
     b, t = len(trajs), max(len(x.token_ids) for x in trajs)
     ids = torch.full((b, t), pad_id, dtype=torch.long)
     attn = torch.zeros((b, t), dtype=torch.long)
@@ -92,8 +98,8 @@ def collate(trajs: list[Trajectory], pad_id: int, vocab_size: int | None = None)
         mask[i, :n] = torch.tensor(x.loss_mask, dtype=torch.float32)
         mu[i, :n] = torch.tensor(x.behaviour_logprobs, dtype=torch.float32)
     adv = torch.tensor([x.advantage or 0.0 for x in trajs], dtype=torch.float32)
-    allowed_idx, table = (_allowed_positions(trajs, t, vocab_size) if vocab_size is not None
-                          else (None, None))
+    allowed_idx, table = (_allowed_positions(trajs, t, vocab_size, token_texts)
+                          if vocab_size is not None else (None, None))
     # Position j's logits predict token j+1, so every per-target tensor is shifted by one.
     return Batch(ids, attn, ids[:, 1:], mask[:, 1:], mu[:, 1:], adv,
                  allowed_idx[:, 1:] if allowed_idx is not None else None, table,

@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from rollart.action_grammar import TokenTexts
 from rollart.algo import (
     compute_policy_loss,
     entropy_from_logits,
@@ -55,7 +56,9 @@ def micro_weight(loss_mask: Tensor, n_tok: float, n_seq: float, loss_agg: str) -
 class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, train: TrainConfig,
                  temperature: float = 1.0, pad_id: int = 0, ranks: Ranks = SINGLE,
-                 mixed_precision: bool = False) -> None:
+                 mixed_precision: bool = False, token_texts: TokenTexts | None = None) -> None:
+        """`token_texts`: the tokenizer's token texts (rollart.action_grammar.token_texts), so
+        batches sampled under a token grammar get the engine's per-position restriction."""
         # A sharded trainer on a CUDA machine trains on its rank's GPU (nccl); otherwise the CPU.
         self.device = device_for(ranks)
         self.model = model.to(self.device).train()
@@ -64,6 +67,7 @@ class Trainer:
         self.loss_params = select_loss_params(algo.loss, algo.model_dump())
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_id = pad_id
+        self.token_texts = token_texts
         self.ref_model = None
         if algo.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -126,7 +130,7 @@ class Trainer:
         trajs = [x for x in trajs if x.num_model_tokens > 0]
         if not trajs:
             return {"train/skipped": 1.0}
-        batch = collate(trajs, self.pad_id, self._vocab_size())
+        batch = collate(trajs, self.pad_id, self._vocab_size(), self.token_texts)
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         algo = self.algo

@@ -21,7 +21,8 @@ from rollart.types import (
 
 _KV = pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))
 # The schema as it was hand-written in rollart/types.py, plus the columns added since
-# (allowed_sequences: the answer grammar); shards on disk carry exactly this.
+# (allowed_sequences: the answer grammar; grammar: the token grammar); shards on disk carry
+# exactly this.
 WRITTEN_BEFORE = pa.schema([
     ("sample_id", pa.string()), ("task", pa.string()), ("env_id", pa.string()),
     ("group_id", pa.string()), ("seed", pa.int64()), ("iteration", pa.int64()),
@@ -29,6 +30,7 @@ WRITTEN_BEFORE = pa.schema([
     ("behaviour_logprobs", pa.list_(pa.float32())), ("token_versions", pa.list_(pa.int64())),
     ("allowed_token_ids", pa.list_(pa.int32())),
     ("allowed_sequences", pa.list_(pa.list_(pa.int32()))),
+    ("grammar", pa.string()),
     ("turns", pa.list_(pa.struct([
         ("index", pa.int32()), ("observation", pa.string()), ("response", pa.string()),
         ("action", pa.string()), ("format_ok", pa.bool_()), ("env_reward", pa.float64()),
@@ -55,12 +57,15 @@ def test_derived_schema_is_the_schema_shards_were_written_with(make_traj):
     rows = [make_traj(i).to_row() for i in range(2)]
     assert _parquet_bytes(trajectories_to_table([make_traj(i) for i in range(2)])) \
         == _parquet_bytes(pa.Table.from_pylist(rows, schema=WRITTEN_BEFORE))
-    # A shard written before allowed_sequences existed still reads (the column defaults).
-    older = pa.schema([f for f in WRITTEN_BEFORE if f.name != "allowed_sequences"])
+    # A shard written before allowed_sequences and grammar existed still reads (the columns
+    # default).
+    older = pa.schema([f for f in WRITTEN_BEFORE
+                       if f.name not in ("allowed_sequences", "grammar")])
     for row in rows:
-        del row["allowed_sequences"]
+        del row["allowed_sequences"], row["grammar"]
     back = table_to_trajectories(pa.Table.from_pylist(rows, schema=older))
     assert [t.allowed_sequences for t in back] == [None, None]
+    assert [t.grammar for t in back] == [None, None]
     assert [t.sample_id for t in back] == [make_traj(i).sample_id for i in range(2)]
 
 
@@ -102,3 +107,22 @@ def test_shard_rows_take_the_trajectory_values_without_copying(make_traj):
         assert row[name] is getattr(t, name)
     assert t.turns and [r["index"] for r in row["turns"]] == [u.index for u in t.turns]
     assert set(row["turns"][0]) == {f.name for f in fields(Turn)}
+
+
+def test_the_token_grammar_round_trips_through_a_shard(tmp_path, make_traj):
+    """A trajectory sampled under a token grammar keeps it through a shard (the trainer of a
+    resumed run rebuilds its masks from it), and a trajectory without one reads back None."""
+    from rollart.action_grammar import TokenTexts, dump_grammar
+    from rollart.envs.calculator import CalculatorEnv
+    from rollart.storage.store import RunStore
+
+    grammar = dump_grammar(CalculatorEnv().action_grammar, 3, TokenTexts.of(["a", "b"]))
+    trajs = [make_traj(0, allowed_token_ids=[1, 2, 3], grammar=grammar), make_traj(1)]
+    table = trajectories_to_table(trajs)
+    assert table.schema.field("grammar").type == pa.string()
+    assert table.schema.field("grammar").nullable
+    store = RunStore(str(tmp_path), "r1")
+    store.write_shard(0, trajs)
+    back = store.read_shards(0)
+    assert [t.grammar for t in back] == [grammar, None]
+    assert back[0].allowed_token_ids == [1, 2, 3] and back[0] == trajs[0]
