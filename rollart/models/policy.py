@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -69,6 +70,21 @@ def load_policy(
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[cfg.dtype], local_files_only=True
     )
+    return model, tokenizer
+
+
+def policy_skeleton(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model, tokenizer) of an `hf_dir` model with the model on the meta device: its
+    architecture without weights or memory. A sharded trainer materialises only its shards of
+    it and reads their weights from the directory (rollart/train/sharded_state.py
+    `load_pretrained`), so no rank ever holds the whole model."""
+    path = Path(cfg.path or "")
+    if cfg.source != "hf_dir" or not path.is_dir():
+        raise FileNotFoundError(f"model.path {str(path)!r} is not a local directory")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
     return model, tokenizer
 
 

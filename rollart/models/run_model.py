@@ -13,7 +13,7 @@ import torch
 
 from rollart.envs import make_env
 from rollart.models.chat import ChatFormat
-from rollart.models.policy import build_tiny_model, load_policy
+from rollart.models.policy import build_tiny_model, load_policy, policy_skeleton
 from rollart.models.tokenizer import build_tokenizer
 from rollart.run import RunSpec
 from rollart.storage.store import RunStore
@@ -80,10 +80,14 @@ def chat_format(run: RunSpec) -> ChatFormat:
     return _cached(("chat", path or f"{run.cfg.storage.root}/{run.run_id}"), make)
 
 
-def build_model(run: RunSpec) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer): the same architecture and initial weights on every worker."""
+def build_model(run: RunSpec, skeleton: bool = False) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer): the same architecture and initial weights on every worker.
+    `skeleton` (an `hf_dir` model for a sharded trainer): the model on the meta device, its
+    weights left to be read shard by shard."""
     cfg = run.cfg
     if cfg.model.source == "hf_dir":
+        if skeleton:
+            return policy_skeleton(cfg.model)
         return load_policy(cfg.model, None, cfg.seed)
     tok = load_run_tokenizer(run.store())
     return build_tiny_model(cfg.model.tiny, tok, cfg.seed), tok

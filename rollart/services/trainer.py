@@ -23,6 +23,7 @@ from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
 from rollart.storage.checkpointing import Checkpointer
 from rollart.train.distributed import Ranks, all_reduce_sum, destroy_group, init_group, local
+from rollart.train.sharded_state import load_pretrained
 from rollart.train.stream_out import stream_weights
 from rollart.train.trainer import Trainer
 from rollart.types import Trajectory
@@ -51,13 +52,17 @@ class TrainerService:
             init_group(self.ranks, meet[0], meet[1], cfg.train.dist_timeout_s)
         torch.manual_seed(cfg.seed)
         self.store = run.store()
-        model, tok = build_model(run)
+        # Sharded, a local model is read rank by rank: no rank holds it whole.
+        skeleton = self.ranks.sharded and cfg.model.source == "hf_dir"
+        model, tok = build_model(run, skeleton=skeleton)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.trainer = Trainer(model, cfg.algo, cfg.train,
                                temperature=cfg.engine.temperature, pad_id=int(pad),
                                ranks=self.ranks,
                                mixed_precision=cfg.train.mixed_precision == "bf16",
                                token_texts=token_texts(tok))  # token grammars' masks
+        if skeleton:
+            load_pretrained(self.trainer, str(cfg.model.path))
         # Ledger, checkpoint snapshots and background uploads (rollart/storage/checkpointing.py)
         self.ckpt = Checkpointer(cfg, self.store)
         self.identity = worker_identity()

@@ -33,6 +33,7 @@ import torch
 
 from rollart.config import AlgoConfig, TrainConfig
 from rollart.train.distributed import Ranks, destroy_group, full, init_group, local
+from rollart.train.sharded_state import load_pretrained
 from rollart.train.trainer import Trainer
 from rollart.types import Trajectory
 
@@ -47,19 +48,25 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).float()
 
 
-def load_model(spec: str, seed: int) -> torch.nn.Module:
+def load_model(spec: str, seed: int, skeleton: bool = False) -> torch.nn.Module:
+    """The tiny model, or a local HF directory's: loaded, or (`skeleton`, for a sharded
+    trainer) its architecture on the meta device, the weights read shard by shard later."""
     if spec == "tiny":
         return tiny_model(seed)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if skeleton:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec),
+                                                    dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
 
 
-def make_batch(model: torch.nn.Module, rows: int, seed: int, max_len: int) -> list[Trajectory]:
+def make_batch(vocab: int, rows: int, seed: int, max_len: int) -> list[Trajectory]:
     """`rows` conversations in groups of 4 sharing a prompt: prompt, a generated turn, an
-    observation, a generated turn; lengths vary so shares are uneven in rows and tokens."""
+    observation, a generated turn; lengths vary so shares are uneven in rows and tokens.
+    Behaviour log-probs come later (`add_behaviour`)."""
     g = torch.Generator().manual_seed(seed)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
     out: list[Trajectory] = []
     for i in range(rows):
         grp = i // 4
@@ -74,15 +81,26 @@ def make_batch(model: torch.nn.Module, rows: int, seed: int, max_len: int) -> li
             seed=i, iteration=0, token_ids=toks, loss_mask=mask,
             behaviour_logprobs=[0.0] * len(toks), token_versions=[0 if m else -1 for m in mask],
             advantage=float(torch.randn((), generator=g))))
-    with torch.no_grad():  # behaviour = start policy + noise (a slightly stale engine)
-        for t in out:
-            ids = torch.tensor([t.token_ids])
-            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-            tok_lp = lp.gather(-1, ids[0, 1:, None])[:, 0]
-            noise = 0.05 * torch.randn(tok_lp.shape, generator=g)
-            t.behaviour_logprobs = [0.0] + [float(v + n) if m else 0.0 for v, n, m in
-                                            zip(tok_lp, noise, t.loss_mask[1:], strict=True)]
     return out
+
+
+@torch.no_grad()
+def add_behaviour(trainer: Trainer, trajs: list[Trajectory], seed: int) -> None:
+    """Behaviour log-probs = the start policy's (the trainer's own forward; every rank runs
+    every row, so a sharded trainer's collectives line up) + noise, as from a slightly stale
+    engine, so the off-policy weights are not all 1."""
+    from rollart.train.batch import collate
+
+    g = torch.Generator().manual_seed(seed)
+    batch = collate(trajs, 0, trainer._vocab_size())
+    if trainer.device.type != "cpu":
+        batch = batch.to(trainer.device)
+    lp = torch.cat([trainer._logprobs(trainer.model, batch.select(slice(i, i + 4))).cpu()
+                    for i in range(0, len(batch), 4)])  # [B, T-1], 0 off model tokens
+    for i, t in enumerate(trajs):
+        noise = 0.05 * torch.randn(len(t.token_ids) - 1, generator=g)
+        t.behaviour_logprobs = [0.0] + [float(lp[i, j] + noise[j]) if m else 0.0
+                                        for j, m in enumerate(t.loss_mask[1:])]
 
 
 def held_bytes(trainer: Trainer) -> dict[str, int]:
@@ -129,14 +147,19 @@ def run_rank(rank: int, world: int, port: int, out: Path, model_spec: str, updat
     ranks = Ranks(rank, world)
     if world > 1:
         init_group(ranks, "127.0.0.1", port, timeout_s=300)
-    model = load_model(model_spec, seed)
-    batch = make_batch(model, rows, seed + 1, max_len)
+    skeleton = world > 1 and model_spec != "tiny"  # no rank loads the whole model
+    model = load_model(model_spec, seed, skeleton)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    batch = make_batch(vocab, rows, seed + 1, max_len)
     algo = AlgoConfig(advantage="grpo", loss="ppo_clip", off_policy="tis", entropy_coef=0.0,
                       kl_coef=0.0, loss_agg="seq_mean_token_mean")
     train = TrainConfig(lr=lr, epochs=1, micro_batch_size=micro, grad_clip=1.0, threads=1,
                         max_kl=0.0)
     trainer = Trainer(model, algo, train, pad_id=0, ranks=ranks,
                       mixed_precision=bool(mixed_precision))
+    if skeleton:
+        load_pretrained(trainer, model_spec)
+    add_behaviour(trainer, batch, seed + 2)  # from the start weights, resumed or not
     if resume_from:
         files, _ = _store(store).load_checkpoint(resume_from)
         trainer.load_checkpoint_files(files)

@@ -105,6 +105,40 @@ def load_shards(trainer: Trainer, files: dict[str, bytes]) -> None:
                                                   if k.startswith("ref/")}, options=strict)
 
 
+def load_pretrained(trainer: Trainer, model_dir: str) -> None:
+    """A sharded trainer built on a skeleton (`policy_skeleton`): every rank reads its own
+    pieces of the model directory's safetensors files (DCP's reader plans the reads per
+    shard), for the policy and the reference; then the buffers that are computed, not stored
+    (rotary frequencies), are computed again. Every rank calls it."""
+    strict = StateDictOptions(strict=False)  # the tied head comes back through its tie
+    for policy in (trainer.policy, trainer.ref_policy):
+        if policy is None:
+            continue
+        keep = _stored_keys(policy)
+        hf_names = {k[len("model."):]: v for k, v in get_model_state_dict(policy).items()
+                    if k in keep}  # the file's names: the causal LM's own
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(hf_names, storage_reader=dcp.HuggingFaceStorageReader(path=model_dir),
+                     no_dist=not trainer.ranks.sharded)
+        set_model_state_dict(policy, {f"model.{k}": v for k, v in hf_names.items()},
+                             options=strict)
+        _recompute_buffers(policy.model, trainer.device)
+
+
+def _recompute_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers are not in a checkpoint: a rotary embedding's are computed from
+    the config, so it is built again. Any other such buffer is a model this does not know."""
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, type(mod)(config=mod.config).to(device))
+        elif getattr(mod, "_non_persistent_buffers_set", None):
+            raise ValueError(f"{type(mod).__name__} ({name}) has computed buffers a sharded "
+                             "trainer cannot rebuild: use train.world_size=1")
+
+
 def full_model_state(model: torch.nn.Module, files: dict[str, bytes]) -> dict[str, Tensor]:
     """The policy's full weights from a sharded checkpoint, for one process that holds the
     whole model (an engine serving a checkpoint): names as `model.state_dict()`'s."""

@@ -61,7 +61,12 @@ class Trainer:
         batches sampled under a token grammar get the engine's per-position restriction."""
         # A sharded trainer on a CUDA machine trains on its rank's GPU (nccl); otherwise the CPU.
         self.device = device_for(ranks)
-        self.model = model.to(self.device).train()
+        # A model on the meta device (a sharded trainer's skeleton, policy_skeleton) gets memory
+        # for its shards only, below; its weights are read in afterwards (load_pretrained).
+        skeleton = any(p.is_meta for p in model.parameters())
+        if skeleton and not ranks.sharded:
+            raise ValueError("a model without weights (meta device) needs a sharded trainer")
+        self.model = (model if skeleton else model.to(self.device)).train()
         self.algo, self.cfg, self.ranks = algo, train, ranks
         # The loss's own hyper-parameters, from the algo config fields named like them.
         self.loss_params = select_loss_params(algo.loss, algo.model_dump())
@@ -82,6 +87,10 @@ class Trainer:
             shard_model(self.policy, model, ranks.world, mixed_precision)
             if self.ref_policy is not None:
                 shard_model(self.ref_policy, self.ref_model, ranks.world, mixed_precision)
+            if skeleton:
+                for policy in (self.policy, self.ref_policy):
+                    if policy is not None:
+                        policy.to_empty(device=self.device)
         # fused: one kernel over all parameters instead of a loop over tensors (several
         # times faster on CPU; not measured by a committed benchmark); same update rule.
         self.optimizer = torch.optim.AdamW(

@@ -15,7 +15,7 @@ import torch
 
 from rollart.config import ConfigError, load_config
 from rollart.train.distributed import partition_by_tokens, plan_rows
-from rollart.train.rank_check import launch, run_rank
+from rollart.train.rank_check import launch, run_rank, tiny_model
 from rollart.train.trainer import micro_weight
 
 
@@ -52,17 +52,20 @@ def test_micro_weights_normalise_over_the_whole_batch():
 
 @pytest.fixture(scope="module")
 def one_and_two_ranks(tmp_path_factory):
-    """The same 3 updates (tiny Llama, 12 rows of 2 generated turns, lr 1e-3) on 1 rank (this
-    process) and on 2 ranks (two processes)."""
+    """The same 3 updates (a tiny Llama saved as a model directory, 12 rows of 2 generated
+    turns, lr 1e-3) on 1 rank (this process; the model loaded whole) and on 2 ranks (two
+    processes; each builds the model without weights and reads only its shards)."""
     out = tmp_path_factory.mktemp("ranks")
+    model_dir = out / "tiny-hf"
+    tiny_model(0).save_pretrained(model_dir, safe_serialization=True)
     kw = dict(updates=3, rows=12, lr=1e-3, micro=4, max_len=60, seed=0)
     (out / "w1").mkdir()
     threads = torch.get_num_threads()
     try:
-        run_rank(0, 1, 0, out / "w1", "tiny", **kw)
+        run_rank(0, 1, 0, out / "w1", str(model_dir), **kw)
     finally:
         torch.set_num_threads(threads)
-    launch(2, out / "w2", model="tiny", **kw)
+    launch(2, out / "w2", model=str(model_dir), **kw)
     return out, kw
 
 
