@@ -20,6 +20,12 @@ noise), then running the trainer's own update.
 - resume_exact_{1,3}: 2 ranks save after update 2 (torch.distributed.checkpoint, safetensors
   shards) into a run store and run update 3; 1 rank and 3 ranks resume from that checkpoint and
   run update 3: weights within one step's bound (2 * 1.003 * lr) of the straight run.
+
+Sharded ranks build the model on the meta device and read only their shards from the model
+directory (one rank loads it whole), so peak RSS shows what sharding saves per process.
+`other_benchmarks` repeats, with their files, the two figures measured elsewhere: the weight
+sync's growth from 1 to 4 engine hosts (benchmarks/weight_sync.py) and the lost trainer rank
+(benchmarks/chaos.py --scenario trainer_rank).
 """
 
 from __future__ import annotations
@@ -101,6 +107,33 @@ def one_repeat(tmp: Path, kw: dict) -> dict:
     return out
 
 
+def other_benchmarks() -> dict:
+    """The sync and rank-loss figures as their own result files hold them (commit, date)."""
+    out: dict = {}
+    sync = ROOT / "results" / "weight_sync.json"
+    if sync.exists():
+        r = json.loads(sync.read_text())
+        out["sync_growth_1_to_4_engines"] = {
+            "file": "results/weight_sync.json", "commit": r["host"].get("git_commit"),
+            "date": r["host"].get("date"),
+            "chain_links_capped": r.get("summary_link_capped", {}).get(
+                "sync_growth_1_to_4_engines_chain"),
+            "chain_uncapped": r["summary"].get("sync_growth_1_to_4_engines_chain"),
+            "star_links_capped": r.get("summary_link_capped", {}).get(
+                "sync_growth_1_to_4_engines_star"),
+            "link_mbit": r.get("link_mbit")}
+    chaos = ROOT / "results" / "chaos_trainer_rank.json"
+    if chaos.exists():
+        r = json.loads(chaos.read_text())
+        faults = [f for f in r["faults"] if f["kind"] == "trainer_rank_kill"]
+        out["trainer_rank_loss_recovered"] = {
+            "file": "results/chaos_trainer_rank.json", "commits": r["commits"],
+            "value": bool(faults) and all(f["recovered"] for f in faults) and r["completed"]
+            and r["duplicated"] == 0 and r["unaccounted"] == 0,
+            "faults": faults}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
@@ -134,7 +167,7 @@ def main() -> int:
         "resume_exact": all(r["resume_exact_1"] and r["resume_exact_3"] for r in repeats),
     }
     res = {"benchmark": "sharded_trainer", "model": a.model, "settings": {**kw, "lr": a.lr},
-           "host": _host(), "headline": head,
+           "host": _host(), "headline": head, "other_benchmarks": other_benchmarks(),
            "spread": {k: spread(k) for k in ("update_parity_max_abs",
                                              "state_bytes_per_rank_ratio_2",
                                              "state_bytes_per_rank_ratio_4",
