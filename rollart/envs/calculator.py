@@ -52,7 +52,7 @@ from typing import Any
 from rollart.action_grammar import Alternatives
 from rollart.config import TaskConfig
 from rollart.envs.guess import answer_tags, read_integer
-from rollart.envs.parsing import PARSER_MODES, ParserMode
+from rollart.envs.parsing import ParserMode, check_turn_settings
 from rollart.envs.registry import register_env
 from rollart.envs.toolcall import (
     ToolSpec,
@@ -164,12 +164,7 @@ class CalculatorEnv:
         if terms < 2 or len(widths) != terms or any(not 1 <= int(d) <= 6 for d in widths):
             raise ValueError("calculator needs terms >= 2 and 1..6 digits per operand "
                              f"(one entry per operand), got terms={terms}, digits={digits}")
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        if parser not in PARSER_MODES:
-            raise ValueError(f"parser must be one of {PARSER_MODES}, got {parser!r}")
-        if format_credit not in ("graded", "action"):
-            raise ValueError(f"format_credit must be 'graded' or 'action', got {format_credit!r}")
+        check_turn_settings(max_turns, parser, format_credit)
         self.widths, self.ops = [int(d) for d in widths], ops
         self.max_turns, self.format_penalty = max_turns, float(format_penalty)
         self.parser: ParserMode = parser

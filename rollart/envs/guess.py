@@ -44,7 +44,7 @@ import re
 from typing import Any
 
 from rollart.config import TaskConfig
-from rollart.envs.parsing import ANSWER_CLOSE, ANSWER_OPEN, PARSER_MODES, ParserMode
+from rollart.envs.parsing import ANSWER_CLOSE, ANSWER_OPEN, ParserMode, check_turn_settings
 from rollart.envs.registry import register_env
 from rollart.envs.toolcall import strip_end_tokens
 
@@ -105,12 +105,7 @@ class GuessEnv:
         if low > high or high - low + 1 > MAX_RANGE:
             raise ValueError(f"guess needs low <= high and at most {MAX_RANGE} numbers, "
                              f"got {low}..{high}")
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        if parser not in PARSER_MODES:
-            raise ValueError(f"parser must be one of {PARSER_MODES}, got {parser!r}")
-        if format_credit not in ("graded", "action"):
-            raise ValueError(f"format_credit must be 'graded' or 'action', got {format_credit!r}")
+        check_turn_settings(max_turns, parser, format_credit)
         self.low, self.high, self.show_range = int(low), int(high), bool(show_range)
         self.max_turns, self.format_penalty = max_turns, float(format_penalty)
         self.parser: ParserMode = parser

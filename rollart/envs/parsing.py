@@ -87,3 +87,13 @@ def _word_pattern(action_names: tuple[str, ...]) -> re.Pattern[str]:
     names = sorted(action_names, key=len, reverse=True)
     alternatives = "|".join(re.escape(name) for name in names)
     return re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)", re.IGNORECASE)
+
+
+def check_turn_settings(max_turns: int, parser: str, format_credit: str) -> None:
+    """The settings every multi-turn text env takes from its task (one message per mistake)."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if parser not in PARSER_MODES:
+        raise ValueError(f"parser must be one of {PARSER_MODES}, got {parser!r}")
+    if format_credit not in ("graded", "action"):
+        raise ValueError(f"format_credit must be 'graded' or 'action', got {format_credit!r}")
