@@ -88,6 +88,8 @@ class ModelConfig(_Strict):
 # Causal LMs whose decoder layers are `model.layers` (the trainer's FSDP units).
 SHARDABLE_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                               "MistralForCausalLM"})
+SHARDABLE_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                   "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 class VLLMEngineConfig(_Strict):
@@ -424,7 +426,9 @@ class RunConfig(_Strict):
                 if n and n % tp:
                     raise ValueError(f"engine.vllm.tensor_parallel_size ({tp}) must divide the "
                                      f"model's {key} ({n})")
-        names = arch.get("architectures") or []
+        # `architectures` where the config has it (a GGUF-converted one may only name its
+        # model_type, as SmolLM2's does)
+        names = arch.get("architectures") or [SHARDABLE_TYPES.get(arch.get("model_type"), "")]
         if world > 1 and not any(n in SHARDABLE_MODELS for n in names):
             raise ValueError(f"train.world_size > 1 shards the model per decoder layer, which "
                              f"rollart knows for {sorted(SHARDABLE_MODELS)}, not {names}: set "
