@@ -67,11 +67,18 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--root", default=str(ROOT / "artifacts" / "sharded-learning"))
     ap.add_argument("--out", default=str(ROOT / "results" / "sharded_learning.json"))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the runs of other world sizes or seeds already in --out")
     a = ap.parse_args()
     if not Path(os.path.expanduser("~/.cache/rollart/models/smollm2-135m-instruct")).is_dir():
         print("run `rollart models fetch smollm2-135m-instruct` first")
         return 2
     runs = [one_run(w, s, a.iterations, Path(a.root)) for s in a.seeds for w in a.worlds]
+    if a.merge and Path(a.out).exists():
+        fresh = {(r["world_size"], r["seed"]) for r in runs}
+        runs = [r for r in json.loads(Path(a.out).read_text())["runs"]
+                if (r["world_size"], r["seed"]) not in fresh] + runs
+        a.worlds = sorted({r["world_size"] for r in runs})
 
     def gain(w: int) -> list[float]:
         return [r["accuracy_after"] - r["accuracy_before"] for r in runs
