@@ -59,6 +59,24 @@ def _share_stack_lambda_keys() -> None:
             os.environ.update(creds.env())
 
 
+def _hold_checkpoint_key() -> None:
+    """The run signs and verifies its checkpoints with this user's key (the state directory's,
+    unless ROLLART_CHECKPOINT_KEY names one): the flow holds it out of the environment and
+    gives it to the trainer and engine workers only (rollart/secrets.py). Never printed."""
+    from infra.stack import default_state_dir
+    from infra.state import checkpoint_key
+    from rollart.secrets import CHECKPOINT_KEY_VAR, CheckpointKeyError
+
+    if os.environ.get(CHECKPOINT_KEY_VAR):
+        return
+    try:
+        key = checkpoint_key(default_state_dir())
+    except CheckpointKeyError as err:
+        _fail(str(err))
+    if key:
+        os.environ[CHECKPOINT_KEY_VAR] = key
+
+
 @app.command()
 def check_config(
     config: Path = typer.Option(Path("configs/default.yaml"), "--config", "-c"),
@@ -93,6 +111,7 @@ def train(
     if scheduler:
         _share_stack_lambda_keys()
     ui = _ensure_prefect_api()
+    _hold_checkpoint_key()  # after the server started: it does not inherit the key
     if not verbose:  # every log still reaches the Prefect UI; the terminal shows the table
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")

@@ -1,8 +1,9 @@
 """The stack's private state directory: 0700, files 0600, before any secret lands in it.
 
 The state directory holds the Prefect database (and the key that decrypts block secrets), the
-local S3 and Lambda key pairs, logs and pid files. On a shared host every other local user
-could read them if they were created with the default umask (0644 files in a 0755 dir), so:
+local S3 and Lambda key pairs, the key that signs this user's checkpoints, logs and pid files.
+On a shared host every other local user could read them if they were created with the default
+umask (0644 files in a 0755 dir), so:
 
 - `private_dir` creates the directory 0700, or tightens an existing one to 0700;
 - `write_private` creates or rewrites a file 0600 (O_NOFOLLOW: a planted symlink is not
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 PRIVATE_UMASK = 0o077
 LAMBDA_CREDENTIALS = "lambda-credentials.json"
+CHECKPOINT_KEY = "checkpoint-key"  # the name rollart.secrets.checkpoint_key looks for
 
 
 def private_dir(path: Path | str) -> Path:
@@ -78,3 +80,16 @@ def lambda_credentials(state: Path | str, create: bool = True) -> LambdaCredenti
     write_private(f, json.dumps({"access_key": creds.access_key,
                                  "secret_key": creds.secret_key}))
     return creds
+
+
+def checkpoint_key(state: Path | str, create: bool = True) -> str | None:
+    """The key that authenticates this user's checkpoints (64 hex digits), kept in the state
+    directory, 0600 in a 0700 directory (created on first use when `create`). `rollart train`
+    hands it to the run as ROLLART_CHECKPOINT_KEY; the run keeps it out of its workers'
+    environment and gives it to the trainer and engine classes only (rollart/secrets.py)."""
+    from rollart.secrets import key_file  # lazy: this module stays light
+
+    if create:
+        private_dir(state)
+    key = key_file(Path(state) / CHECKPOINT_KEY, create=create)
+    return key.hex() if key is not None else None

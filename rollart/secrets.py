@@ -5,10 +5,21 @@ worker's environment.
              AWS Lambda, which boto3 signs with the same chain)
     lambda   ROLLART_LAMBDA_ACCESS_KEY_ID / ROLLART_LAMBDA_SECRET_ACCESS_KEY: the key pair of
              the local Lambda endpoint (rollart/rewards/client.py)
+    checkpoints  ROLLART_CHECKPOINT_KEY: the run owner's key that authenticates checkpoint
+             manifests (HMAC-SHA256, rollart/storage/integrity.py): 64 hex digits
 
 A process keeps the secrets it holds in this module's table, in memory. `lookup(var)` reads the
 table, then os.environ (an operator who exports keys on their own workers keeps that working);
 the store (`rollart.storage.s3.storage_options`) and the reward client sign with what it finds.
+
+The checkpoint key has a home of its own: `checkpoint_key()` takes it from the table or the
+environment, else from `<state dir>/checkpoint-key` (`$ROLLART_STATE_DIR`, default `.rollart`:
+the stack's private state directory), a file of 32 random bytes, 0600 in a 0700 directory,
+created on first use by the run's owner (`rollart train` sets the variable from it,
+infra/state.py; a flow that holds none reads it in `plugin_for`; so does a process that signs
+and holds none, such as the in-process loop). A run's workers get the flow's key from the
+plugin (`scope`: the trainer and engine classes), so a worker on another host signs and
+verifies with the owner's key, never one of its own.
 
 `held_out_of_environment()` moves the secrets of this process's environment into the table for
 as long as a run lasts, so worker processes started meanwhile (the embedded Dask cluster's
@@ -23,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
@@ -36,7 +49,9 @@ if TYPE_CHECKING:
 
 STORAGE_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 LAMBDA_VARS = ("ROLLART_LAMBDA_ACCESS_KEY_ID", "ROLLART_LAMBDA_SECRET_ACCESS_KEY")
-SECRET_VARS = STORAGE_VARS + LAMBDA_VARS
+CHECKPOINT_KEY_VAR = "ROLLART_CHECKPOINT_KEY"
+CHECKPOINT_KEY_FILE = "checkpoint-key"
+SECRET_VARS = STORAGE_VARS + LAMBDA_VARS + (CHECKPOINT_KEY_VAR,)
 PLUGIN_PREFIX = "rollart-secrets-"
 
 _lock = threading.Lock()
@@ -85,6 +100,82 @@ def storage_keys() -> tuple[str, str, str | None] | None:
     return None
 
 
+class CheckpointKeyError(ValueError):
+    """The checkpoint key is unusable (malformed, or its file is not private), in one line that
+    never shows the key."""
+
+
+def state_dir() -> Path:
+    """The local state directory, as the stack finds it (infra/stack.py default_state_dir)."""
+    return Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
+
+
+def _decode_key(text: str, where: str) -> bytes:
+    text = text.strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise CheckpointKeyError(f"{where} is not a checkpoint key (64 hex digits expected)")
+    return key
+
+
+def key_file(path: Path | str, create: bool = False) -> bytes | None:
+    """The key in `path` (None when absent and not `create`). Refused unless it is a regular
+    file of this user that nobody else can read or write: a key another user can read forges
+    checkpoints, one they can write swaps the owner's key for theirs. Created atomically (a
+    0600 temporary file linked into place), so two first users never end up with two keys."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        if not create:
+            return None
+        return _create_key(path)
+    except OSError as err:  # a symlink (ELOOP), unreadable, ...
+        raise CheckpointKeyError(f"checkpoint key file {path} cannot be opened safely "
+                                 f"({err.strerror})") from None
+    with os.fdopen(fd, "r") as f:
+        st = os.fstat(f.fileno())
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or stat.S_IMODE(st.st_mode) & 0o077):
+            raise CheckpointKeyError(f"checkpoint key file {path} must be a regular file of "
+                                     "this user, mode 0600; refusing it")
+        return _decode_key(f.read(), f"checkpoint key file {path}")
+
+
+def _create_key(path: Path) -> bytes:
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = os.urandom(32)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if another process made the key first: use theirs
+        except FileExistsError:
+            return key_file(path) or key
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return key
+
+
+def checkpoint_key(create: bool = False) -> bytes | None:
+    """The key that authenticates this user's checkpoints: ROLLART_CHECKPOINT_KEY as this
+    process holds it (table, then environment), else `<state dir>/checkpoint-key` (created
+    when `create`: only a process about to sign one)."""
+    value = lookup(CHECKPOINT_KEY_VAR)
+    if value:
+        return _decode_key(value, CHECKPOINT_KEY_VAR)
+    return key_file(state_dir() / CHECKPOINT_KEY_FILE, create)
+
+
 @contextlib.contextmanager
 def held_out_of_environment(owner: str = "process") -> Iterator[dict[str, str]]:
     """Move this process's secret env vars into its table for the block's duration (child
@@ -114,12 +205,15 @@ def scope(cfg: RunConfig) -> dict[str, frozenset[str]]:
     engines: the tokenizer, weights, checkpoint restore; env: the tokenizer and the config;
     reward: the Parquet shards), so with an S3 store its keys go to the classes of all four.
     Rewards are scored where the rollout service lives (the env class) and by the score stage
-    (the reward class): the Lambda key pair goes there, and nowhere else."""
+    (the reward class): the Lambda key pair goes there, and nowhere else. The checkpoint key
+    goes to the trainer and engine classes of every run."""
     stages = cfg.cluster.stages
-    everyone = {stages[r] for r in ("trainer", "engine", "env", "reward")}
-    everyone |= set(cfg.cluster.engine_classes(cfg.engine.replicas))
+    engines = {stages["engine"], *cfg.cluster.engine_classes(cfg.engine.replicas)}
+    everyone = {stages[r] for r in ("trainer", "env", "reward")} | engines
     scorers = {stages["env"], stages["reward"]}
-    out: dict[str, set[str]] = {}
+    # Checkpoints are signed by the trainer (rank 0 of a sharded one; every rank verifies what
+    # it loads) and verified by the engines (their RNG on resume, a checkpoint they serve).
+    out: dict[str, set[str]] = {CHECKPOINT_KEY_VAR: {stages["trainer"]} | engines}
     if _is_s3(cfg.storage.root) and not cfg.storage.profile and not cfg.storage.credentials_block:
         for var in STORAGE_VARS:
             out.setdefault(var, set()).update(everyone)
@@ -161,6 +255,8 @@ def plugin_for(cfg: RunConfig) -> ScopedSecrets | None:
     """The plugin for a run, from what this process holds; None when nothing is needed."""
     where = scope(cfg)
     values = {k: v for k in where if (v := lookup(k))}
+    if CHECKPOINT_KEY_VAR in where:  # this process owns the run: its key is the run's key
+        values[CHECKPOINT_KEY_VAR] = (checkpoint_key(create=True) or b"").hex()  # checked
     return ScopedSecrets(values, where) if values else None
 
 

@@ -7,7 +7,6 @@ two start bit-identical. Models never travel as task arguments.
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from typing import Any
@@ -28,6 +27,12 @@ from rollart.run import RunSpec
 from rollart.storage.store import checkpoint_rel
 from rollart.storage.weights import load_weights_bytes, retie
 from rollart.train.sharded_state import DCP_PREFIX, full_model_state, is_sharded_checkpoint
+from rollart.train.state_io import (
+    ENGINE_RNG,
+    LEGACY_ENGINE_RNG,
+    UnsafeCheckpointError,
+    engine_rng_state,
+)
 from rollart.types import Completion, GenerationRequest
 
 log = logging.getLogger("rollart")
@@ -122,7 +127,9 @@ class EngineService:
         """Serve the weights of checkpoint `step` (evaluation of a finished run). Tied weights
         are stored once, so the state goes through a model of the run's architecture
         (strict=False restores the ties) before the engine's strict load; the served weights
-        are then checked against it."""
+        are then checked against it. The store authenticates the manifest and every file read
+        (rollart/storage/integrity.py): a forged or altered checkpoint raises
+        CheckpointRefused, one line naming the file, before any weight is loaded."""
         names = list(self.store.read_manifest(step)["files"])
         model, _ = build_model(self.run)
         if is_sharded_checkpoint(names):  # a sharded trainer's: every rank's pieces, joined
@@ -146,18 +153,22 @@ class EngineService:
         return self.engine.generator.get_state().numpy().tobytes()
 
     def restore_rng(self, step: int) -> bool:
-        """Restore this replica's sampling generator from checkpoint `step` (if recorded)."""
-        files, _ = self.store.load_checkpoint(step, only=["engine_rng.pt"])
-        if "engine_rng.pt" not in files:
+        """Restore this replica's sampling generator from checkpoint `step` (if recorded). The
+        state is safetensors (no pickle is ever loaded); an older checkpoint's `engine_rng.pt`
+        is not read: this replica then samples from a fresh seed (one warning line)."""
+        files, _ = self.store.load_checkpoint(step, only=[ENGINE_RNG, LEGACY_ENGINE_RNG])
+        if not files:
             return False
-        # A list of bytes: the restricted unpickler loads it and refuses anything executable
-        # (explicit, so it cannot silently change with torch's default).
-        states = torch.load(io.BytesIO(files["engine_rng.pt"]), weights_only=True)
-        if self.replica >= len(states) or not states[self.replica]:  # none, or it was lost
+        try:
+            state = engine_rng_state(files, self.replica)
+        except UnsafeCheckpointError as err:
+            log.warning("checkpoint %d: %s; engine replica %d samples from a fresh seed", step,
+                        err, self.replica)
+            return False
+        if state is None:  # none recorded, or it was lost
             log.warning("checkpoint %d has no RNG state for engine replica %d", step, self.replica)
             return False
-        self.engine.generator.set_state(torch.frombuffer(bytearray(states[self.replica]),
-                                                         dtype=torch.uint8))
+        self.engine.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         return True
 
     def weight_version(self) -> int:

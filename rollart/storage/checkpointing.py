@@ -21,7 +21,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
-import torch
 
 from rollart.config import RunConfig, dump_config
 from rollart.rollout.ids import group_of_sample
@@ -30,6 +29,7 @@ from rollart.storage.background import BackgroundWriter
 from rollart.storage.ledger import LedgerAudit, SampleLedger
 from rollart.storage.store import RunStore
 from rollart.storage.weights import prune_weights, publish_weights, serialize_weights
+from rollart.train.state_io import engine_rng_files
 from rollart.types import Trajectory, table_to_trajectories, trajectories_to_table
 
 if TYPE_CHECKING:
@@ -114,10 +114,8 @@ class Checkpointer:
             written, files = {}, trainer.checkpoint_files()
         files["ledger.json"] = self.ledger.to_json()
         files["config.yaml"] = dump_config(self.cfg).encode()
-        if engine_rng:
-            buf = io.BytesIO()
-            torch.save(list(engine_rng), buf)
-            files["engine_rng.pt"] = buf.getvalue()
+        if engine_rng:  # safetensors, never a pickle (rollart/train/state_io.py)
+            files.update(engine_rng_files(list(engine_rng)))
         if rollout_state is not None:  # async runs: groups not consumed yet (rollout/snapshot.py)
             files["rollout_state.json"] = rollout_state
         if self.pending:

@@ -7,8 +7,13 @@ lives and how it is reached (`storage.root`, endpoint, region, credentials) come
 current invocation, because that is how the run was found. The sample plan depends on `seed`,
 `rollout`, `tasks` and `model`, so a resume may not change them.
 
-Which checkpoint: the latest complete one whose every file matches the manifest's CRC32; a
-corrupt one is skipped with a warning naming the bad file, and the previous one is used.
+Which checkpoint: the latest complete one whose manifest is authentic (signed with the run
+owner's key, naming only files inside the checkpoint: rollart/storage/integrity.py) and whose
+every file matches the manifest's size and SHA-256 and has a sound header
+(rollart/storage/formats.py). Any other is skipped with one warning line naming the file and
+why, and the previous one is used; nothing of a refused checkpoint is loaded. Unsigned
+checkpoints (older versions) are refused too, unless ROLLART_ACCEPT_UNSIGNED_CHECKPOINTS=1 says
+the owner accepts them: then they are re-signed once their CRC32s match (`adopt_unsigned`).
 
 Rollback: checkpoints newer than the one resumed from (torn or corrupt), trajectory shards and
 metrics rows of iterations at or after its `next_iteration`, and weight versions newer than its
@@ -34,6 +39,8 @@ from rollart.config import (
     apply_overrides,
     config_from_dict,
 )
+from rollart.storage.adopt import adopt_unsigned
+from rollart.storage.integrity import CheckpointRefused, accept_unsigned
 from rollart.storage.ledger import SampleLedger
 from rollart.storage.lock import RunLock
 from rollart.storage.store import RunStore, checkpoint_rel, shard_rel
@@ -107,24 +114,44 @@ def resume_config(current: RunConfig, overrides: list[str], store: RunStore) -> 
     return cfg
 
 
+def _problems(store: RunStore, step: int) -> dict[str, str]:
+    """{file: why} checkpoint `step` cannot be resumed from ({} when it can); an unsigned one
+    is accepted (re-signed) here when the owner said so."""
+    try:
+        return store.checkpoint_problems(step)
+    except CheckpointRefused as err:
+        if not (err.unsigned and accept_unsigned()):
+            return {name: err.reason for name in err.files}
+    log.warning("storage: accepting unsigned checkpoint %d of run %r (%s=1): re-signing it "
+                "with this user's key", step, store.run_id, "ROLLART_ACCEPT_UNSIGNED_CHECKPOINTS")
+    try:
+        return adopt_unsigned(store, step) or store.checkpoint_problems(step)
+    except CheckpointRefused as err:
+        return {name: err.reason for name in err.files}
+
+
 def find_resume_point(store: RunStore,
                       corrupt: dict[int, list[str]] | None = None) -> tuple[int, dict[str, Any]]:
-    """The latest complete checkpoint whose files match their CRC32s, and its manifest.
-    Corrupt ones are skipped with a warning and noted in `corrupt` (step -> bad files)."""
+    """The latest complete checkpoint that is authentic and intact (module docstring), and its
+    manifest. Others are skipped with one warning line each and noted in `corrupt` (step ->
+    bad files)."""
     corrupt = {} if corrupt is None else corrupt
+    newest = ""
     for step in reversed(store.list_checkpoints()):
-        bad = store.corrupt_files(step)
+        bad = _problems(store, step)
         if not bad:
             return step, store.read_manifest(step)
-        corrupt[step] = bad
-        log.warning("storage: checkpoint %d of run %r is corrupt (%s under %s do not match the "
-                    "manifest's size/CRC32); falling back to the previous complete checkpoint",
-                    step, store.run_id, ", ".join(bad), store.checkpoint_dir(step))
+        corrupt[step] = list(bad)
+        why = " ".join("; ".join(f"{name} {reason}" for name, reason in bad.items()).split())
+        newest = newest or f"checkpoint {step}: {why}"
+        log.warning("storage: checkpoint %d of run %r is corrupt or not authentic (%s; under "
+                    "%s); falling back to the previous complete checkpoint", step,
+                    store.run_id, why, store.checkpoint_dir(step))
     torn = sorted(set(store.checkpoint_steps()) - set(corrupt))
     raise ResumeError(
         f"cannot resume {store.run_id!r}: no complete checkpoint under {store.url}/checkpoints"
         + (f" (only torn ones: {torn})" if torn else "")
-        + (f" (corrupt, CRC32 mismatch: {corrupt})" if corrupt else ""))
+        + (f" (corrupt or not authentic: {corrupt}; newest {newest})" if corrupt else ""))
 
 
 def prepare_resume(store: RunStore) -> ResumePoint:

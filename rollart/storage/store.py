@@ -3,16 +3,17 @@
 Layout under the root (DESIGN.md):
   runs/{run_id}/config.yaml
   runs/{run_id}/tokenizer/...
-  runs/{run_id}/checkpoints/{step:08d}/{model.safetensors, optimizer.pt, rng.pt, ledger.json,
-                                        config.yaml, ..., manifest.json}
+  runs/{run_id}/checkpoints/{step:08d}/{model.safetensors, optimizer.safetensors, rng.json,
+                                        ledger.json, config.yaml, ..., manifest.json}
   runs/{run_id}/trajectories/{step:08d}/part-*.parquet
   runs/{run_id}/weights/v{version}/{model.safetensors, manifest.json}
   runs/{run_id}/metrics.jsonl
-A checkpoint without its manifest does not exist: the manifest is written last and lists every
-file with its size and CRC32, so a reader also detects a torn or corrupt upload
-(`corrupt_files`; a resume falls back to the previous checkpoint). Local files are written
-atomically (temporary file, fsync, rename); appends to JSON lines are not, so a torn trailing
-line is ignored with a warning when read.
+A checkpoint without its manifest does not exist: the manifest is written last, lists every file
+with its size, CRC32 and SHA-256 and is signed with the run owner's key (the checkpoint methods:
+rollart/storage/checkpoint_store.py), so a reader detects a torn, corrupt or altered checkpoint
+and a resume falls back to the previous one. Local files are written atomically (temporary
+file, fsync, rename); appends to JSON lines are not, so a torn trailing line is ignored with a
+warning when read.
 
 Every operation goes through `retrying` (rollart/storage/s3.py): transient errors (server down
 or restarting, timeouts, 5xx) are retried with backoff for `retry_timeout_s`.
@@ -24,9 +25,7 @@ import io
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -34,25 +33,18 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollart.storage.files import atomic_write, crc32, matches_entry, parse_jsonl, want_entry
+from rollart.storage.checkpoint_store import MANIFEST as MANIFEST  # re-exported
+from rollart.storage.checkpoint_store import CheckpointStore, checkpoint_rel
+from rollart.storage.files import atomic_write, parse_jsonl
 from rollart.storage.s3 import StorageError, retrying, storage_options
 from rollart.types import Trajectory, table_to_trajectories, trajectories_to_table
 
 if TYPE_CHECKING:
     from rollart.config import StorageConfig
 
-MANIFEST = "manifest.json"
 CHUNK = 8 * 2**20  # multipart part size / ranged-read size for large objects
-# Test hook: "STEP:SECONDS" sleeps between the files of checkpoint STEP (a wide, deterministic
-# window in which an upload is in flight, e.g. to kill the process there).
-SLOW_CHECKPOINT_ENV = "ROLLART_FAULT_SLOW_CHECKPOINT"
 T = TypeVar("T")
 log = logging.getLogger("rollart.storage")
-
-
-def checkpoint_rel(step: int) -> str:
-    """A checkpoint's directory, relative to the run."""
-    return f"checkpoints/{step:08d}"
 
 
 def shard_rel(step: int) -> str:
@@ -65,7 +57,7 @@ def eval_rel(step: int) -> str:
     return f"eval/{step:08d}.json"
 
 
-class RunStore:
+class RunStore(CheckpointStore):
     """Paths and atomic-enough writes for one run, rooted at `root` (path or fsspec URL).
     `storage_options` reach an object store (endpoint, credentials): `from_config` builds them
     from the storage config; without them fsspec's defaults apply (environment credentials)."""
@@ -270,147 +262,3 @@ class RunStore:
 
     def read_shards(self, step: int | None = None) -> list[Trajectory]:
         return table_to_trajectories(self.read_shard_table(step))
-
-    # ---- checkpoints -----------------------------------------------------------------------
-    def save_checkpoint(self, step: int, files: dict[str, bytes], meta: dict[str, Any],
-                        written: dict[str, dict[str, Any]] | None = None) -> str:
-        """Write every file, then the manifest last. Returns the checkpoint directory.
-        `written`: entries of files other processes already wrote into this checkpoint (a
-        sharded trainer's ranks, `write_checkpoint_files`), listed in the manifest too."""
-        rel = checkpoint_rel(step)
-        t0 = time.perf_counter()
-        if self.exists(f"{rel}/{MANIFEST}"):  # rewriting a step: it stops existing first
-            self.delete(f"{rel}/{MANIFEST}")
-        entries = {**(written or {}), **self.write_checkpoint_files(step, files)}
-        write_s = time.perf_counter() - t0
-        manifest = {
-            "step": step,
-            "run_id": self.run_id,
-            "files": entries,
-            "bytes": sum(e["bytes"] for e in entries.values()),
-            "created": time.time(),
-            "write_s": write_s,
-            **meta,
-        }
-        self.write_text(f"{rel}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True,
-                                                        default=str))
-        return self.checkpoint_dir(step)
-
-    def write_checkpoint_files(self, step: int, files: dict[str, bytes]
-                               ) -> dict[str, dict[str, Any]]:
-        """Write files into checkpoint `step` (no manifest); returns their manifest entries."""
-        rel = checkpoint_rel(step)
-        delay = _slow_checkpoint_delay(step)
-        with ThreadPoolExecutor(1) as pool:  # CRC32s (zlib drops the GIL) while uploading
-            crcs = pool.submit(lambda: {name: crc32(data) for name, data in files.items()})
-            if delay:
-                for name, data in files.items():
-                    self.write_bytes(f"{rel}/{name}", data)
-                    time.sleep(delay)
-            else:
-                self.write_many({f"{rel}/{name}": data for name, data in files.items()})
-            return {name: {"bytes": len(data), "crc32": c}
-                    for (name, data), c in zip(files.items(), crcs.result().values(),
-                                               strict=True)}
-
-    def drop_manifest(self, step: int) -> None:
-        """Checkpoint `step` stops existing (before its files are rewritten)."""
-        rel = checkpoint_rel(step)
-        if self.exists(f"{rel}/{MANIFEST}"):
-            self.delete(f"{rel}/{MANIFEST}")
-
-    def _manifest(self, rel: str) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.read_text(f"{rel}/{MANIFEST}"))
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-
-    def _complete(self, rel: str) -> dict[str, Any] | None:
-        """The manifest when every listed file is present at its listed size, else None."""
-        manifest = self._manifest(rel)
-        if manifest is None or not isinstance(manifest.get("files"), dict):
-            return None
-        for name, entry in manifest["files"].items():
-            want = entry["bytes"] if isinstance(entry, dict) else entry
-            if self.size(f"{rel}/{name}") != want:
-                return None
-        return manifest
-
-    def checkpoint_steps(self) -> list[int]:
-        """Every checkpoint directory, complete or not."""
-        return sorted(int(n) for n in self.listdir("checkpoints") if n.isdigit())
-
-    def list_checkpoints(self) -> list[int]:
-        """Steps of complete checkpoints (manifest present and every listed file full-size)."""
-        return [s for s in self.checkpoint_steps()
-                if self._complete(checkpoint_rel(s)) is not None]
-
-    def latest_checkpoint(self) -> int | None:
-        for s in reversed(self.checkpoint_steps()):
-            if self._complete(checkpoint_rel(s)) is not None:
-                return s
-        return None
-
-    def read_manifest(self, step: int) -> dict[str, Any]:
-        manifest = self._manifest(checkpoint_rel(step))
-        if manifest is None:
-            raise FileNotFoundError(f"checkpoint {step} of run {self.run_id} has no manifest")
-        return manifest
-
-    def load_checkpoint(self, step: int, only: Iterable[str] | None = None,
-                        ) -> tuple[dict[str, bytes], dict[str, Any]]:
-        """Files of a complete checkpoint (all, or `only` these names), verified against the
-        manifest's sizes and CRC32s."""
-        rel = checkpoint_rel(step)
-        manifest = self.read_manifest(step)
-        names = [n for n in manifest["files"] if only is None or n in set(only)]
-        raw = self.read_many([f"{rel}/{n}" for n in names])
-        files: dict[str, bytes] = {}
-        for name in names:
-            data = raw[f"{rel}/{name}"]
-            if not matches_entry(data, manifest["files"][name]):
-                want = want_entry(manifest["files"][name])
-                raise StorageError(f"storage: checkpoint {step} file {name} is corrupt or torn "
-                                   f"({len(data)} bytes, manifest says {want['bytes']}, CRC32 "
-                                   f"{want.get('crc32')})")
-            files[name] = data
-        return files, manifest
-
-    def corrupt_files(self, step: int) -> list[str]:
-        """Files of complete checkpoint `step` whose bytes do not match the manifest's size and
-        CRC32 (bit rot, a partial overwrite, a bad copy); [] when it is intact. Reads them all,
-        one at a time (a checkpoint need not fit in memory twice)."""
-        rel = checkpoint_rel(step)
-        manifest = self.read_manifest(step)
-        bad = []
-        for name, entry in manifest["files"].items():
-            try:
-                data = self.read_bytes(f"{rel}/{name}")
-            except FileNotFoundError:
-                bad.append(name)
-                continue
-            if not matches_entry(data, entry):
-                bad.append(name)
-        return bad
-
-    def prune_checkpoints(self, keep_last: int) -> list[int]:
-        """Retention: delete all but the newest `keep_last` complete checkpoints (and torn ones
-        older than the newest complete one; newer torn ones may still be uploading)."""
-        complete = self.list_checkpoints()
-        keep = set(complete[-keep_last:])
-        newest = complete[-1] if complete else -1
-        removed = []
-        for step in self.checkpoint_steps():
-            if step not in keep and step < newest:
-                self.delete(checkpoint_rel(step))
-                removed.append(step)
-        return removed
-
-
-def _slow_checkpoint_delay(step: int) -> float:
-    spec = os.environ.get(SLOW_CHECKPOINT_ENV, "")
-    if not spec:
-        return 0.0
-    at, _, seconds = spec.partition(":")
-    return float(seconds or 0) if at.strip() in ("*", str(step)) else 0.0
-

@@ -17,8 +17,9 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from rollart.storage.files import crc32
 from rollart.storage.s3 import StorageError
-from rollart.storage.store import MANIFEST, RunStore, crc32
+from rollart.storage.store import MANIFEST, RunStore
 
 WEIGHTS_FILE = "model.safetensors"
 

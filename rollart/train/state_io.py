@@ -7,18 +7,21 @@ a pickle there runs arbitrary code on `--resume`. So nothing here unpickles:
   (`state.{param index}.{name}`), the rest (param groups, non-tensor per-parameter values) in
   `optimizer.json`;
 - RNG: torch's generator state (a uint8 tensor) in `rng.safetensors`; numpy's MT19937 state and
-  Python's `random` state in `rng.json`.
+  Python's `random` state in `rng.json`;
+- the engines' sampling generators: one uint8 tensor per replica (`replica.{i}`, empty for a
+  replica that recorded none) in `engine_rng.safetensors`.
 
 JSON is written with sorted keys and floats in repr form, so an exact resume writes the same
-bytes as an uninterrupted run. Checkpoints of older versions (`optimizer.pt`, `rng.pt`) are read
-with `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers;
-an older `rng.pt` holds numpy objects that it refuses, so such a checkpoint is refused with a
-message that says why, never loaded by a full unpickler.
+bytes as an uninterrupted run. The pickles of older versions are never loaded, not even by
+torch's restricted unpickler (`weights_only=True` is a smaller pickle VM, still a pickle VM, and
+its refusals end a resume with a long traceback): `optimizer.pt` and `rng.pt` refuse the
+checkpoint with a one-line `UnsafeCheckpointError` (the resume skips such checkpoints before
+this: rollart/storage/formats.py), and an older `engine_rng.pt` is not read: the engines of a
+resume from it sample from a fresh seed, with one warning line (`engine_rng_state`).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import random
@@ -29,8 +32,11 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-SAFE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json")
-LEGACY_FILES = ("optimizer.pt", "rng.pt")
+ENGINE_RNG = "engine_rng.safetensors"
+LEGACY_ENGINE_RNG = "engine_rng.pt"
+SAFE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json",
+              ENGINE_RNG)
+LEGACY_FILES = ("optimizer.pt", "rng.pt", LEGACY_ENGINE_RNG)
 
 
 class UnsafeCheckpointError(ValueError):
@@ -75,16 +81,12 @@ def optimizer_files(optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
 
 def load_optimizer(optimizer: torch.optim.Optimizer, files: dict[str, bytes]) -> None:
     if "optimizer.json" not in files:
-        if "optimizer.pt" not in files:
-            raise UnsafeCheckpointError("checkpoint has no optimizer state")
-        try:  # older checkpoints: tensors and plain containers only, no code
-            sd = torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
-        except Exception as err:  # noqa: BLE001 - the unpickler's refusal, whatever its type
+        if "optimizer.pt" in files:
             raise UnsafeCheckpointError(
-                f"optimizer.pt is not a plain tensor file ({type(err).__name__}); it was not "
-                "loaded because unpickling it could run code") from None
-        optimizer.load_state_dict(sd)
-        return
+                "optimizer.pt is a pickle (checkpoints of older rollart versions store optimizer "
+                "state that way); it is not loaded because unpickling it could run code. Resume "
+                "from a checkpoint written by this version, or start the run afresh")
+        raise UnsafeCheckpointError("checkpoint has no optimizer state")
     try:
         doc = json.loads(files["optimizer.json"])
         tensors = safetensors.torch.load(files["optimizer.safetensors"])
@@ -145,3 +147,35 @@ def load_rng(files: dict[str, bytes]) -> None:
         random.setstate(py_state)
     except (ValueError, TypeError, RuntimeError) as err:
         raise UnsafeCheckpointError(f"RNG state is malformed: {err}") from None
+
+
+def engine_rng_files(states: list[bytes]) -> dict[str, bytes]:
+    """The engines' sampling generator states (one per replica; b"" for none) as safetensors."""
+    tensors = {f"replica.{i}": (torch.frombuffer(bytearray(state), dtype=torch.uint8).clone()
+                                if state else torch.zeros(0, dtype=torch.uint8))
+               for i, state in enumerate(states)}
+    return {ENGINE_RNG: safetensors.torch.save(tensors)}
+
+
+def engine_rng_state(files: dict[str, bytes], replica: int) -> bytes | None:
+    """Replica `replica`'s sampling generator state, or None when the checkpoint recorded none
+    for it. Raises UnsafeCheckpointError (one line) for an older `engine_rng.pt` (a pickle: not
+    read) or a malformed file."""
+    if ENGINE_RNG not in files:
+        if LEGACY_ENGINE_RNG in files:
+            raise UnsafeCheckpointError(
+                "engine_rng.pt is a pickle (checkpoints of older rollart versions store the "
+                "engines' RNG that way); it is not loaded because unpickling it could run code")
+        return None
+    try:
+        tensors = safetensors.torch.load(files[ENGINE_RNG])
+    except (ValueError, safetensors.SafetensorError) as err:
+        raise UnsafeCheckpointError(f"{ENGINE_RNG} is malformed: "
+                                    f"{' '.join(str(err).split())}") from None
+    state = tensors.get(f"replica.{replica}")
+    if state is None or state.numel() == 0:
+        return None
+    if state.dtype != torch.uint8 or state.dim() != 1:
+        raise UnsafeCheckpointError(f"{ENGINE_RNG} is malformed: replica.{replica} must be a "
+                                    "uint8 vector")
+    return state.numpy().tobytes()

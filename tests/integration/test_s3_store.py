@@ -56,12 +56,12 @@ def test_shards_checkpoints_and_weights_round_trip(aws_env):
 
     big = os.urandom(20 * 2**20)  # multipart (several 8 MiB parts, uploaded concurrently)
     for step in (1, 2, 3):
-        store.save_checkpoint(step, {"model.safetensors": big, "rng.pt": b"r" * step},
+        store.save_checkpoint(step, {"model.bin": big, "rng.bin": b"r" * step},
                               {"iteration": step - 1})
-    store.write_bytes("checkpoints/00000004/model.safetensors", b"torn")  # no manifest
+    store.write_bytes("checkpoints/00000004/model.bin", b"torn")  # no manifest
     assert store.list_checkpoints() == [1, 2, 3] and store.latest_checkpoint() == 3
     files, manifest = store.load_checkpoint(2)
-    assert files["model.safetensors"] == big and files["rng.pt"] == b"rr"
+    assert files["model.bin"] == big and files["rng.bin"] == b"rr"
     assert manifest["iteration"] == 1 and manifest["bytes"] == len(big) + 2
     assert store.prune_checkpoints(keep_last=2) == [1]
     assert store.list_checkpoints() == [2, 3] and 4 in store.checkpoint_steps()

@@ -1,8 +1,11 @@
 """Tampered checkpoints: whoever can write the store must not run code on `--resume`.
 
-The attacker writes a complete checkpoint through the store (files plus a manifest with correct
-sizes and CRC32s: a CRC is not a signature), with a pickle that creates a marker file when
-unpickled. Resuming must refuse the checkpoint with a clear error, and the marker must not exist.
+A checkpoint is written through the store (files plus a signed manifest: as its owner would,
+or an attacker who got the key), with a pickle that creates a marker file when unpickled. The
+store refuses the file before any loader sees it (its header: rollart/storage/formats.py), the
+loader refuses it on its own too, resuming refuses the checkpoint with a clear one-line error,
+and the marker never exists. (A forger without the key: tests/security/
+test_checkpoint_integrity.py.)
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import pytest
 import torch
 
 from rollart.config import AlgoConfig, TrainConfig, load_config
+from rollart.storage.integrity import CheckpointRefused
+from rollart.storage.resume import ResumeError
 from rollart.storage.store import RunStore
 from rollart.train.state_io import UnsafeCheckpointError
 from rollart.train.trainer import Trainer
@@ -76,9 +81,10 @@ def test_planted_pickle_is_never_unpickled(tmp_path, attack):
         files["optimizer.safetensors"] = _evil_pickle(marker)
     store = RunStore(str(tmp_path / "store"), "victim")
     store.save_checkpoint(2, files, {"iteration": 1})
-    loaded, _ = store.load_checkpoint(2)  # sizes and CRCs match: the store cannot tell
-    with pytest.raises(UnsafeCheckpointError) as info:
-        _trainer().load_checkpoint_files(loaded)
+    with pytest.raises(CheckpointRefused, match="pickle|not valid JSON|safetensors"):
+        store.load_checkpoint(2)  # authentic and intact, but not a loadable file
+    with pytest.raises(UnsafeCheckpointError) as info:  # the loader, handed it directly
+        _trainer().load_checkpoint_files(files)
     assert not marker.exists(), "the planted pickle ran"
     assert "pickle" in str(info.value) or "malformed" in str(info.value) or \
         "not a plain tensor file" in str(info.value)
@@ -102,8 +108,9 @@ def test_the_safe_formats_round_trip_exactly():
 
 
 def test_resume_refuses_a_tampered_checkpoint(tmp_path):
-    """The real resume path (the in-process loop): an attacker swaps the RNG state of the
-    latest checkpoint for a pickle; `resume` fails loudly and runs nothing from it."""
+    """The real resume path (the in-process loop): the RNG state of the only checkpoint is
+    swapped for a pickle (and the manifest signed again); `resume` refuses it in one line
+    naming the file and runs nothing from it."""
     from rollart.local_loop import run_local
 
     marker = tmp_path / "PWNED"
@@ -117,6 +124,7 @@ def test_resume_refuses_a_tampered_checkpoint(tmp_path):
     meta = {k: v for k, v in manifest.items()
             if k not in {"step", "run_id", "files", "bytes", "created", "write_s"}}
     store.save_checkpoint(step, files, meta)
-    with pytest.raises(UnsafeCheckpointError, match="rng.pt is a pickle"):
+    with pytest.raises(ResumeError, match="rng.pt is a pickle") as info:
         run_local(load_config(CONFIG, [*BASE, root, "iterations=2"]), "victim", resume=True)
+    assert "\n" not in str(info.value)
     assert not marker.exists()

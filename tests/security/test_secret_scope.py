@@ -2,7 +2,9 @@
 (rollart/secrets.py).
 
 The probe in issue 16: `client.run` on any worker found the S3 secret key (and the Lambda key
-pair) in its environment, because every stack worker was started with them. Here the real
+pair) in its environment, because every stack worker was started with them. The checkpoint key
+(ROLLART_CHECKPOINT_KEY, which signs the run's checkpoints) goes the same way, to the trainer
+and engine classes of every run. Here the real
 local cluster (the embedded TLS HardwareClassCluster, and the stack's `dask scheduler` /
 `dask worker` processes) is started from a process whose environment holds both key pairs, as
 a user's shell or a run's blocks put them there; then each worker's environment is read, the
@@ -35,8 +37,11 @@ from rollart.run import RunSpec
 ROOT = Path(__file__).resolve().parents[2]
 S3_KEY, S3_SECRET = "scopeS3key0001", "scope-s3-secret-Zq81xWv0pLm4"
 LAM = LambdaCredentials("ROLLARTSCOPE0001", "scope-lambda-secret-Yt62kPp9")
-VALUES = {"AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, **LAM.env()}
-SECRET_TEXTS = (S3_SECRET, LAM.secret_key)  # what must never show up anywhere
+CKPT_KEY = "5c09e7" * 10 + "a1b2"  # 64 hex digits
+KEY_VAR = secrets.CHECKPOINT_KEY_VAR
+VALUES = {"AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, **LAM.env(),
+          KEY_VAR: CKPT_KEY}
+SECRET_TEXTS = (S3_SECRET, LAM.secret_key, CKPT_KEY)  # what must never show up anywhere
 
 
 def _environ() -> dict:
@@ -95,7 +100,8 @@ def _run_cfg(s3, lam, tmp_path, **over: str):
 def test_scope_follows_the_stage_map(tmp_path):
     """Hand-derived: the store's keys go to the classes of all four roles (and every engine
     pool), the Lambda pair to the env and reward classes only; a local store needs no keys;
-    AWS Lambda signs with the AWS_* pair, so those go to the scorers even with a local store."""
+    AWS Lambda signs with the AWS_* pair, so those go to the scorers even with a local store.
+    The checkpoint key goes to the trainer and engine classes, always."""
     cfg = load_config(ROOT / "configs/default.yaml", [
         "storage.root=s3://bucket/p", "reward.backend=lambda", "reward.endpoint_url=http://127.0.0.1:9",
         "cluster.workers={H800: 1, H20: 1, CPU: 1, A10: 1}",
@@ -103,15 +109,17 @@ def test_scope_follows_the_stage_map(tmp_path):
     got = secrets.scope(cfg)
     assert got["AWS_SECRET_ACCESS_KEY"] == {"H800", "H20", "CPU", "A10"}
     assert got["ROLLART_LAMBDA_SECRET_ACCESS_KEY"] == {"CPU", "A10"}
+    assert got[KEY_VAR] == {"H800", "H20"}
+    key_only = {KEY_VAR: {"H800", "H20"}}  # the default config's trainer and engine classes
     local = load_config(ROOT / "configs/default.yaml", [f"storage.root={tmp_path}",
                                                         "reward.backend=local"])
-    assert secrets.scope(local) == {}
+    assert secrets.scope(local) == key_only
     embedded = load_config(ROOT / "configs/default.yaml", [f"storage.root={tmp_path}",
                                                            "reward.backend=lambda"])
-    assert secrets.scope(embedded) == {v: {"CPU"} for v in secrets.LAMBDA_VARS}
+    assert secrets.scope(embedded) == {**key_only, **{v: {"CPU"} for v in secrets.LAMBDA_VARS}}
     aws = load_config(ROOT / "configs/default.yaml", [
         f"storage.root={tmp_path}", "reward.backend=lambda", "reward.embedded_endpoint=false"])
-    assert secrets.scope(aws) == {v: {"CPU"} for v in secrets.STORAGE_VARS}
+    assert secrets.scope(aws) == {**key_only, **{v: {"CPU"} for v in secrets.STORAGE_VARS}}
 
 
 def test_embedded_cluster_workers_hold_only_what_their_class_uses(services, tmp_path,
@@ -158,8 +166,8 @@ def test_embedded_cluster_workers_hold_only_what_their_class_uses(services, tmp_
             assert "dask_worker" in metrics
 
         storage_vars = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-        assert held[by_class["H800"]] == storage_vars
-        assert held[by_class["H20"]] == storage_vars
+        assert held[by_class["H800"]] == storage_vars | {KEY_VAR}
+        assert held[by_class["H20"]] == storage_vars | {KEY_VAR}
         assert held[by_class["CPU"]] == storage_vars | set(LAM.env())
         for addr, env in envs.items():  # no worker has a secret in its environment at all
             assert not set(VALUES) & set(env["os"]), classes[addr]
@@ -174,9 +182,11 @@ def test_embedded_cluster_workers_hold_only_what_their_class_uses(services, tmp_
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == S3_SECRET  # this process's env is restored
 
 
-def test_a_run_without_remote_secrets_gives_workers_none(services, tmp_path):
-    """A local store and in-process rewards: no plugin, no worker holds anything, and the
-    user's exported keys do not reach the workers either."""
+def test_a_run_without_remote_secrets_gives_workers_only_the_checkpoint_key(services,
+                                                                          tmp_path):
+    """A local store and in-process rewards: the workers hold only the checkpoint key (the
+    trainer and engine class: here the one CPU worker), in memory, and the user's exported
+    keys do not reach the workers' environment."""
     cfg = load_config(ROOT / "configs/default.yaml", [f"storage.root={tmp_path}",
                                                       "reward.backend=local",
                                                       "cluster.workers={CPU: 1}",
@@ -187,8 +197,8 @@ def test_a_run_without_remote_secrets_gives_workers_none(services, tmp_path):
         cluster = stack.enter_context(open_cluster(cfg.cluster, dashboard=False))
         client = stack.enter_context(Client(cluster.address))
         with secrets.on_cluster(client, cfg) as plugin:
-            assert plugin is None
-            assert all(not v for v in client.run(secrets.held_vars).values())
+            assert plugin is not None
+            assert all(v == {KEY_VAR} for v in client.run(secrets.held_vars).values())
             for env in client.run(_environ).values():
                 assert not set(VALUES) & set(env["os"])
                 _no_secret_in(env["proc"], "/proc/self/environ")
@@ -248,7 +258,7 @@ def test_stack_workers_start_without_secrets(stack_dask, tmp_path, services):
         by_class = {c: a for c, addrs in worker_classes(client).items() for a in addrs}
         with secrets.held_out_of_environment(), secrets.on_cluster(client, cfg):
             held = client.run(secrets.held_vars)
-        assert held[by_class["H800"]] == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        assert held[by_class["H800"]] == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", KEY_VAR}
         assert held[by_class["CPU"]] == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             *LAM.env()}
         assert all(not v for v in client.run(secrets.held_vars).values())

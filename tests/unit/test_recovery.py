@@ -69,7 +69,7 @@ def _store_with_checkpoints(tmp_path, steps):
     store = RunStore(str(tmp_path), "r")
     store.write_text("config.yaml", "name: x\n")
     for step in steps:
-        store.save_checkpoint(step, {"model.safetensors": b"w"}, {"iteration": step - 1})
+        store.save_checkpoint(step, {"model.bin": b"w"}, {"iteration": step - 1})
     return store
 
 

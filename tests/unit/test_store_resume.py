@@ -81,7 +81,7 @@ def test_resume_is_exact_and_the_ledger_has_no_duplicates_or_gaps(tmp_path):
     files_a, man_a = a.load_checkpoint(3)
     files_b, man_b = b.load_checkpoint(3)
     assert set(files_a) >= {"model.safetensors", "optimizer.safetensors", "optimizer.json",
-                            "rng.safetensors", "rng.json", "engine_rng.pt", "ledger.json",
+                            "rng.safetensors", "rng.json", "engine_rng.safetensors", "ledger.json",
                             "config.yaml", "trainer_state.json"}
     assert {k: files_a[k] == files_b[k] for k in files_a} == {k: True for k in files_a}
     assert man_b["train_step"] == 3 and man_b["next_iteration"] == 3
