@@ -94,6 +94,11 @@ def up(
         stack.up(timeout=timeout)
     except (RuntimeError, TimeoutError) as err:
         _fail(str(err), 1)
+    except OSError as err:  # an HTTP or socket error from a service: one line, no traceback
+        _fail(f"{type(err).__name__}: {err}", 1)
+    finally:
+        for note in stack.notes:  # e.g. a default port someone else holds, and what we took
+            typer.echo(f"note: {note}")
     _print_status(stack)
     typer.echo(f"\nPrefect UI: {stack.ui_url}    next: rollart deploy")
 
@@ -128,9 +133,7 @@ def _api_url(state_dir: Path | None) -> str:
     api = os.environ.get("PREFECT_API_URL")
     if not api:
         stack = Stack(state_dir)
-        from infra.prefect_server import healthy
-
-        if not stack.api_url or not healthy(stack.api_url):
+        if not stack.prefect_up():  # ours only, never a server that took our recorded port
             _fail("no Prefect API: run `rollart up` first, or set PREFECT_API_URL", 2)
         api = stack.api_url or ""
         os.environ["PREFECT_API_URL"] = api

@@ -21,7 +21,9 @@ from infra.lambda_functions import (
     Function,
     FunctionSpec,
     Version,
+    check_env,
     check_handler,
+    check_limits,
     check_name,
     code_identity,
     resolve_handler,
@@ -32,9 +34,10 @@ from infra.lambda_runtime_worker import VersionSpec
 
 Reply = tuple[int, Any]
 FN = r"/(?P<fn>[^/]+)"
-# What `POST /local/functions` may set: a name, a packaged reward and limits; never code_dir or
-# env (PYTHONPATH, LD_PRELOAD, ...), which would run code from outside the project.
-REGISTER_FIELDS = {"name", "handler", "concurrency", "timeout_s", "memory_mb"}
+# What `POST /local/functions` may set: a name, a packaged reward, limits and the environment
+# every other path allows (check_env); never code_dir, which would run code from outside the
+# project.
+REGISTER_FIELDS = {"name", "handler", "concurrency", "timeout_s", "memory_mb", "env"}
 
 
 class ControlPlane:
@@ -75,7 +78,7 @@ class ControlPlane:
         """Config-registered function (no zip): runs from this project's import path."""
         check_name(spec.name)
         vspec = VersionSpec(spec.name, "$LATEST", resolve_handler(spec.handler), spec.timeout_s,
-                            spec.memory_mb, dict(spec.env), spec.code_dir)
+                            spec.memory_mb, check_env(spec.env), spec.code_dir)
         with self._lock:
             fn = Function(Version(vspec), spec.concurrency, self.region)
             old = self._functions.get(spec.name)
@@ -95,24 +98,21 @@ class ControlPlane:
             raise ApiError(400, "InvalidParameterValueException",
                            f"unsupported field(s) {', '.join(bad)}: only the project's packaged "
                            "reward handlers can be registered (name, handler, concurrency, "
-                           "timeout_s, memory_mb)")
+                           "timeout_s, memory_mb, env)")
         handler = str(req.get("handler", ""))
         if handler not in BUILTINS and handler not in BUILTINS.values():
             raise ApiError(400, "InvalidParameterValueException",
                            f"handler {handler!r} is not a packaged reward handler "
                            f"({', '.join(BUILTINS)})")
+        timeout, memory = check_limits(req.get("timeout_s", 30.0), req.get("memory_mb", 512))
         try:
-            spec = FunctionSpec(str(req.get("name", "")), handler,
-                                concurrency=int(req.get("concurrency", self.default_concurrency)),
-                                timeout_s=float(req.get("timeout_s", 30.0)),
-                                memory_mb=int(req.get("memory_mb", 512)))
+            concurrency = int(req.get("concurrency", self.default_concurrency))
         except (TypeError, ValueError):
-            raise ApiError(400, "InvalidParameterValueException",
-                           "concurrency, timeout_s and memory_mb must be numbers") from None
-        if not (1 <= spec.concurrency <= 1000 and 0 < spec.timeout_s <= 900
-                and 128 <= spec.memory_mb <= 10240):
-            raise ApiError(400, "InvalidParameterValueException",
-                           "concurrency 1..1000, timeout_s (0, 900], memory_mb 128..10240")
+            concurrency = 0
+        if not 1 <= concurrency <= 1000:
+            raise ApiError(400, "InvalidParameterValueException", "concurrency 1..1000")
+        spec = FunctionSpec(str(req.get("name", "")), handler, concurrency=concurrency,
+                            timeout_s=timeout, memory_mb=memory, env=check_env(req.get("env")))
         with self._lock:
             old = self._functions.get(spec.name)
             if old is not None and old.latest.spec.handler != resolve_handler(handler):
@@ -127,10 +127,10 @@ class ControlPlane:
         if not req.get("Handler"):
             raise ApiError(400, "InvalidParameterValueException", "Handler is required")
         check_handler(str(req["Handler"]))
+        env = check_env(_variables(req))  # before the zip is unpacked: nothing left behind
+        timeout, memory = check_limits(req.get("Timeout", 3), req.get("MemorySize", 128))
         code_dir, sha, size = self._unpack(name, (req.get("Code") or {}).get("ZipFile"))
-        env = dict((req.get("Environment") or {}).get("Variables") or {})
-        vspec = VersionSpec(name, "$LATEST", req["Handler"], float(req.get("Timeout", 3)),
-                            int(req.get("MemorySize", 128)), env, code_dir)
+        vspec = VersionSpec(name, "$LATEST", req["Handler"], timeout, memory, env, code_dir)
         latest = Version(vspec, sha, size, req.get("Runtime", "python3.11"),
                          req.get("Role", Version.role), req.get("Description", ""))
         with self._lock:
@@ -182,12 +182,12 @@ class ControlPlane:
             if "Handler" in req:
                 check_handler(str(req["Handler"]))
                 changes["handler"] = req["Handler"]
-            if "Timeout" in req:
-                changes["timeout_s"] = float(req["Timeout"])
-            if "MemorySize" in req:
-                changes["memory_mb"] = int(req["MemorySize"])
+            if "Timeout" in req or "MemorySize" in req:
+                changes["timeout_s"], changes["memory_mb"] = check_limits(
+                    req.get("Timeout", fn.latest.spec.timeout_s),
+                    req.get("MemorySize", fn.latest.spec.memory_mb))
             if "Environment" in req:
-                changes["env"] = dict((req["Environment"] or {}).get("Variables") or {})
+                changes["env"] = check_env(_variables(req))
             if "Description" in req:
                 changes["description"] = req["Description"]
             fn.update_latest(**changes)
@@ -270,3 +270,11 @@ class ControlPlane:
         if path == "/local/functions" and method == "POST":
             return self.register_packaged(req)
         raise ApiError(404, "UnknownOperationException", f"{method} {path}")
+
+
+def _variables(req: dict[str, Any]) -> Any:
+    """`Environment.Variables` of a CreateFunction / UpdateFunctionConfiguration request."""
+    env = req.get("Environment") or {}
+    if not isinstance(env, dict):
+        raise ApiError(400, "InvalidParameterValueException", "Environment must be an object")
+    return env.get("Variables")

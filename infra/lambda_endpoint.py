@@ -11,7 +11,8 @@ lambda_runtime_worker.py). Like Lambda, it:
   when set), and back to zero after `idle_timeout_s` without work;
 - answers 429 TooManyRequestsException when a function has `concurrency` invocations in flight;
 - reports handler errors as HTTP 200 + `X-Amz-Function-Error: Unhandled` + errorType,
-  errorMessage, stackTrace; kills a worker past the function timeout (Sandbox.Timedout);
+  errorMessage, stackTrace; kills a worker past the function timeout (Sandbox.Timedout) and
+  caps each worker's memory at the function's memory size (a handler past it fails);
 - disables Nagle on every socket (headers and body are separate writes: ~40-90 ms otherwise);
 - authenticates like AWS: every request but `GET /local/health` must carry a SigV4 signature
   made with the endpoint's key pair (`credentials`; 403 otherwise, see lambda_auth.py), a
@@ -48,7 +49,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from infra.lambda_auth import check_host, verify_sigv4
 from infra.lambda_control import FN, ControlPlane
-from infra.lambda_functions import ApiError, Function, FunctionSpec, split_name
+from infra.lambda_functions import FUNCTION_ENV, ApiError, Function, FunctionSpec, split_name
 from infra.lambda_runtime_worker import PASS_ENV, Invocation, Pool, VersionSpec
 from rollart import secrets
 from rollart.rewards.client import LambdaCredentials
@@ -133,6 +134,9 @@ class LocalLambda(ControlPlane):
         import rollart
 
         env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
+        # The function's own variables first (allowed names only, as every API path checks),
+        # so nothing of it can replace what the endpoint sets below (PYTHONPATH, _HANDLER, ...).
+        env.update({k: v for k, v in spec.env.items() if k in FUNCTION_ENV})
         if spec.code_dir:  # a deployed zip: its own code only, like /var/task
             env["PYTHONPATH"] = spec.code_dir
         else:  # a config-registered function: this project, plus whatever the caller had
@@ -144,7 +148,6 @@ class LocalLambda(ControlPlane):
                     "AWS_REGION": self.region, "AWS_DEFAULT_REGION": self.region,
                     "LAMBDA_TASK_ROOT": spec.code_dir or os.getcwd(), "_HANDLER": spec.handler,
                     "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"})
-        env.update(spec.env)
         return env
 
     def _stat(self, name: str) -> dict[str, int]:
@@ -379,7 +382,7 @@ def with_embedded_endpoint(cfg: Any, stack: contextlib.ExitStack) -> Any:
     if r.backend != "lambda" or r.endpoint_url is not None or not r.embedded_endpoint:
         return cfg
     spec = FunctionSpec(r.lambda_name, r.function, concurrency=r.max_concurrency,
-                        timeout_s=r.timeout_s)
+                        timeout_s=r.timeout_s, memory_mb=r.memory_mb)
     lam = stack.enter_context(LocalLambda([spec], idle_timeout_s=30,
                                           credentials=LambdaCredentials.from_env()))
     # This process holds its keys (in memory, not in the environment) for the run; the run

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import io
 import math
+import re
 import uuid
 import zipfile
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,17 @@ UNZIPPED_LIMIT = 250 * 1024 * 1024  # Lambda's limit for an unpacked deployment 
 # Files the interpreter runs on start-up from any sys.path entry: never from a package.
 STARTUP_HOOKS = ("sitecustomize.py", "usercustomize.py")
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+# The only environment a function may have on the local endpoint, however it is set
+# (`POST /local/functions`, CreateFunction, UpdateFunctionConfiguration, a FunctionSpec):
+# threading and offline knobs, each value matching its pattern. Anything else runs code of the
+# caller's choosing as the endpoint's user (root in the stack) before any handler: PYTHONPATH
+# to a `sitecustomize`, LD_PRELOAD, PYTHONSTARTUP, PYTHONHOME; or weakens a handler
+# (ROLLART_SANDBOX_ALLOW_WEAK is the operator's, never a request's).
+FUNCTION_ENV = {
+    "OMP_NUM_THREADS": r"[1-9][0-9]{0,2}", "MKL_NUM_THREADS": r"[1-9][0-9]{0,2}",
+    "TOKENIZERS_PARALLELISM": r"true|false", "HF_HUB_OFFLINE": r"[01]",
+    "TRANSFORMERS_OFFLINE": r"[01]",
+}
 
 
 class ApiError(Exception):
@@ -69,6 +81,39 @@ def split_name(raw: str, qualifier: str | None) -> tuple[str, str | None]:
     else:
         name, qual = parts[0], parts[1] if len(parts) > 1 else None
     return name, qualifier or qual
+
+
+def check_env(variables: Any) -> dict[str, str]:
+    """A function's environment, if every name and value is allowed (FUNCTION_ENV); else 400
+    naming the first that is not. The one gate for every way to set it."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise ApiError(400, "InvalidParameterValueException",
+                       "Environment.Variables must be a map of names to strings")
+    for name, value in variables.items():
+        pattern = FUNCTION_ENV.get(name)
+        if pattern is None:
+            raise ApiError(400, "InvalidParameterValueException",
+                           f"environment variable {str(name)[:64]!r} is not allowed on the "
+                           f"local endpoint (allowed: {', '.join(sorted(FUNCTION_ENV))})")
+        if not isinstance(value, str) or not re.fullmatch(pattern, value):
+            raise ApiError(400, "InvalidParameterValueException",
+                           f"environment variable {name} must match {pattern}")
+    return dict(variables)
+
+
+def check_limits(timeout_s: Any, memory_mb: Any) -> tuple[float, int]:
+    """Lambda's bounds: timeout (0, 900] s, memory 128..10240 MB (a worker's memory limit)."""
+    try:
+        timeout, memory = float(timeout_s), int(memory_mb)
+    except (TypeError, ValueError):
+        raise ApiError(400, "InvalidParameterValueException",
+                       "timeout and memory size must be numbers") from None
+    if not (0 < timeout <= 900 and 128 <= memory <= 10240):
+        raise ApiError(400, "InvalidParameterValueException",
+                       "timeout (0, 900] seconds, memory size 128..10240 MB")
+    return timeout, memory
 
 
 def check_handler(handler: str) -> None:

@@ -1,11 +1,12 @@
 """Execution environments of the local Lambda endpoint: the Runtime API side.
 
 A `Worker` is one execution environment: a `python -m awslambdaric module.handler` process (the
-real AWS runtime interface client) plus the Lambda Runtime API it polls, served on its own
-loopback port so the endpoint always knows which process holds which invocation (needed to kill
-exactly that process on a timeout). A `Pool` is the set of workers for one function version and
-its queue of invocations; it scales from zero: an invocation that finds no idle or starting
-worker starts one, up to the function's concurrency limit. Scale-down is the endpoint's reaper.
+real AWS runtime interface client, its memory capped at the function's memory size) plus the
+Lambda Runtime API it polls, served on its own loopback port so the endpoint always knows which
+process holds which invocation (needed to kill exactly that process on a timeout). A `Pool` is
+the set of workers for one function version and its queue of invocations; it scales from zero:
+an invocation that finds no idle or starting worker starts one, up to the function's
+concurrency limit. Scale-down is the endpoint's reaper.
 
 All state changes happen under one lock shared with the endpoint (`Pool.cond` wraps it).
 
@@ -53,6 +54,22 @@ def loopback_peer_uid(peer: tuple[str, int], server_port: int) -> int | None:
     except (OSError, StopIteration, IndexError, ValueError):
         return None
     return None
+
+
+def cap_memory(pid: int, memory_mb: int) -> None:
+    """The function's memory size as the worker's memory limit (RLIMIT_DATA: heap and private
+    mappings, what Lambda's limit is about; address space would also count thread stacks and
+    reserved arenas), soft == hard so the handler cannot raise it; and no core dumps. Set
+    right after the start, while the interpreter is still loading: a handler that allocates
+    past it gets MemoryError (the invocation fails, as on Lambda), not the host's memory."""
+    import resource
+
+    limit = memory_mb * 1024 * 1024
+    try:
+        resource.prlimit(pid, resource.RLIMIT_DATA, (limit, limit))
+        resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+    except ProcessLookupError:  # it died already: its watcher reports that
+        pass
 
 
 def error_body(error_type: str, message: str) -> bytes:
@@ -196,6 +213,7 @@ class Worker:
             self.pool.on_exit(self, -1)
             self._close()
             return
+        cap_memory(proc.pid, spec.memory_mb)
         with self.pool.cond:
             self.proc = proc
             if self.state == "stopping":  # stopped while launching

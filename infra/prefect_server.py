@@ -31,7 +31,46 @@ from infra.state import PRIVATE_UMASK, append_private, private_dir, write_privat
 
 DEFAULT_STATE_DIR = Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
 DEFAULT_PORT = 4200
+PORT_ENV = "ROLLART_PREFECT_PORT"  # the default port instead of 4200 (tests hold their own)
 AUTH_FILE = "prefect-auth"
+
+
+def default_port() -> int:
+    """4200, or $ROLLART_PREFECT_PORT: the port a server of ours takes when it is free."""
+    return int(os.environ.get(PORT_ENV) or DEFAULT_PORT)
+
+
+def _recorded(state: Path) -> tuple[int | None, int | None]:
+    """(pid, port) of the server this state directory last started, if recorded."""
+    try:
+        return int((state / "prefect.pid").read_text()), int((state / "prefect.port").read_text())
+    except (OSError, ValueError):
+        return None, None
+
+
+def ours(state_dir: Path | str) -> str | None:
+    """The API URL of this state directory's server when it is up and really ours: the
+    recorded pid alive *and* the one listening on the recorded port. A record alone is not
+    enough: the process may be gone and the port taken by another server (another checkout's
+    stack, a user's `prefect server start`), which must never get our auth string."""
+    from infra.procs import serves_port
+
+    pid, port = _recorded(Path(state_dir))
+    if not (serves_port(pid, port) and runs_from(pid, state_dir)):
+        return None
+    return f"http://127.0.0.1:{port}/api"
+
+
+def runs_from(pid: int | None, state_dir: Path | str) -> bool:
+    """Is `pid` a Prefect server started from this state directory (its database path is in
+    its environment)? Guards against a recycled pid; True where /proc cannot tell."""
+    db = f"{Path(state_dir).absolute()}/prefect.db".encode()
+    try:
+        return db in Path(f"/proc/{pid}/environ").read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
 
 
 def free_port() -> int:
@@ -66,12 +105,9 @@ def auth_string(state_dir: Path | str, create: bool = True) -> str | None:
 
 
 def auth_for(api_url: str, state_dir: Path | str = DEFAULT_STATE_DIR) -> str | None:
-    """The auth string of our server in `state_dir` when `api_url` is that server."""
-    try:
-        port = int((Path(state_dir) / "prefect.port").read_text())
-    except (OSError, ValueError):
-        return None
-    if api_url.rstrip("/") != f"http://127.0.0.1:{port}/api":
+    """The auth string of our server in `state_dir` when `api_url` is that server (and the
+    server on that port is still ours)."""
+    if api_url.rstrip("/") != ours(state_dir):
         return None
     return auth_string(state_dir, create=False)
 
@@ -118,22 +154,33 @@ class PrefectServer:
 
 def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = None,
                  timeout: float = 90.0) -> PrefectServer:
-    """Start (or reuse, via the pid file) a Prefect server on 127.0.0.1."""
+    """Start (or reuse, via the pid file) a Prefect server on 127.0.0.1.
+
+    Reused only when the recorded pid is alive and is the one listening on the recorded port;
+    a port someone else holds is never talked to (nor sent our auth). A new server takes
+    `port`, else the default port (`default_port()`) when free, else a free one; a `port`
+    that is taken fails at once, in one line naming who holds it."""
+    from infra.procs import port_holder, serves_port
+
     # prefect.db holds the key that decrypts block secrets: a private dir, created 0600.
     state = private_dir(Path(state_dir).absolute())
     pid_file, port_file = state / "prefect.pid", state / "prefect.port"
     auth = auth_string(state)  # before the server starts: it never runs without auth
-    if pid_file.exists() and port_file.exists():
-        old_port = int(port_file.read_text())
+    old_pid, old_port = _recorded(state)
+    if old_pid and old_port and serves_port(old_pid, old_port):
         url = f"http://127.0.0.1:{old_port}/api"
-        old = PrefectServer(url, f"http://127.0.0.1:{old_port}", int(pid_file.read_text()),
-                            started=False, auth=auth)
+        old = PrefectServer(url, f"http://127.0.0.1:{old_port}", old_pid, started=False,
+                            auth=auth)
         if healthy(url):
             if requires_auth(url, auth):
                 return old
             if _is_prefect(old.pid):  # ours from before API auth: never keep an open API up
                 old.stop()
-    port = port or (DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port())
+    if port is None:
+        port = default_port() if port_free(default_port()) else free_port()
+    elif not port_free(port):
+        raise RuntimeError(f"cannot start the Prefect server on 127.0.0.1:{port}: the port is "
+                           f"held by {port_holder(port) or 'another process'}")
     env = {
         **os.environ,
         "PREFECT_HOME": str(state / "prefect-home"),
@@ -162,8 +209,11 @@ def start_server(state_dir: Path | str = DEFAULT_STATE_DIR, port: int | None = N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"Prefect server exited early; see {state / 'prefect-server.log'}")
-        if healthy(url):
+            holder = port_holder(port)  # lost a race for the port: say to whom
+            raise RuntimeError("Prefect server exited early" + (
+                f" (127.0.0.1:{port} is held by {holder})" if holder else "")
+                + f"; see {state / 'prefect-server.log'}")
+        if healthy(url) and serves_port(proc.pid, port):  # its answer, not another server's
             return PrefectServer(url, f"http://127.0.0.1:{port}", proc.pid, started=True,
                                  auth=auth)
         time.sleep(0.5)

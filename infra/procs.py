@@ -19,6 +19,93 @@ from typing import Any
 from infra.prefect_server import port_free, start_server  # noqa: F401 (re-exported)
 
 
+def _listening_inodes(port: int) -> set[int]:
+    """Inodes of the TCP sockets (IPv4 and IPv6, any local address) listening on `port`, from
+    /proc/net/tcp{,6}; empty where there is no /proc."""
+    inodes: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == "0A" and \
+                            int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(int(fields[9]))
+        except (OSError, ValueError):
+            continue
+    return inodes
+
+
+def _holds(pid: int, inodes: set[int]) -> bool:
+    """Does `pid` have one of these sockets open? (False where its fds are not ours to read.)"""
+    want = {f"socket:[{i}]" for i in inodes}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in want:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _session_members(sid: int) -> list[int]:
+    """Processes of session `sid` (each stack service leads its own session)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def serves_port(pid: int | None, port: int | None) -> bool:
+    """Is `port` listened on by `pid` (or a process of the session it leads)? What makes a
+    recorded service ours: a live pid alone is not enough (the port may be someone else's,
+    e.g. another checkout's stack or a user's own `prefect server start`)."""
+    if not pid or not port:
+        return False
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False
+    if not Path("/proc/self/fd").is_dir():  # no /proc: a live pid and a listener will do
+        return alive(pid)
+    return any(_holds(p, inodes) for p in [pid, *(m for m in _session_members(pid) if m != pid)])
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on `port`, in words ("pid 123 (prefect server start ...)"), None if no one."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    for entry in sorted(os.listdir("/proc"), key=lambda e: (not e.isdigit(), len(e), e)):
+        if entry.isdigit() and _holds(int(entry), inodes):
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                what = cmd.decode(errors="replace").strip()[:120]
+            except OSError:
+                what = "?"
+            return f"pid {entry} ({what})"
+    uids = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                uids |= {line.split()[7] for line in f if line.split()[9:10] and
+                         line.split()[9].isdigit() and int(line.split()[9]) in inodes}
+        except OSError:
+            continue
+    return f"a process of uid {', '.join(sorted(uids))}" if uids else "another process"
+
+
 def bin_path(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 

@@ -1,7 +1,8 @@
 """The local stack behind `rollart up / down / status`: every service a deployment run needs.
 
     prefect-server   standalone Prefect server (SQLite), reused from infra/prefect_server.py
-    prefect-worker   a process worker polling the work pool `rollart-local` (runs deployments)
+    prefect-worker   a process worker polling the work pool `rollart-local` (runs deployments;
+                     infra/prefect_worker.py: checks each run's job variables and code first)
     dask-scheduler   `dask scheduler` with its dashboard
     dask-<CLASS>-<i> `dask worker --resources CLASS=1`, one process per worker of each class
     lambda           the local Lambda endpoint (`python -m infra.lambda_endpoint`)
@@ -31,6 +32,7 @@ import urllib.error
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from infra.prefect_server import (
     auth_string,
@@ -38,6 +40,8 @@ from infra.prefect_server import (
     free_port,
     healthy,
     locked_job_template,
+    ours,
+    runs_from,
 )
 from infra.procs import (
     alive,
@@ -45,6 +49,8 @@ from infra.procs import (
     http_json,
     http_ok,
     port_free,
+    port_holder,
+    serves_port,
     start_prefect,
     stop_pid,
     stop_pids,
@@ -64,6 +70,7 @@ if TYPE_CHECKING:
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POOL = "rollart-local"
+WORKER_TOKEN = "infra.prefect_worker"  # the worker's module: refuses runs that break the rules
 LAMBDA_FUNCTIONS = {"rollart-env-outcome": "env_outcome"}  # Lambda name -> reward handler
 LAMBDA_CREDENTIALS_NOTE = "<state dir>/lambda-credentials.json"
 DASK_AUTH = "TLS, mutual: a certificate from the stack's CA (<state dir>/dask-tls)"
@@ -71,6 +78,13 @@ PREFECT_AUTH = "HTTP basic, <state dir>/prefect-auth"
 S3_AUTH = ("S3 SigV4, key pair in <state dir>/seaweed; no other port of the server is "
            "reachable (its own network namespace)")
 DEFAULT_PORTS = {"prefect": 4200, "scheduler": 8786, "dashboard": 8787, "lambda": 9001}
+# Which service listens on which of its recorded ports (what `status` checks is really ours).
+PORT_OWNER = {"scheduler": "dask-scheduler", "dashboard": "dask-scheduler", "lambda": "lambda"}
+
+
+def default_port(key: str) -> int:
+    """A service's default port, or $ROLLART_<KEY>_PORT (e.g. ROLLART_PREFECT_PORT)."""
+    return int(os.environ.get(f"ROLLART_{key.upper()}_PORT") or DEFAULT_PORTS[key])
 
 
 def without_secrets(env: dict[str, str]) -> dict[str, str]:
@@ -107,6 +121,7 @@ class Stack:
         self.worker_limit = worker_limit
         self.ports: dict[str, int] = dict(saved.get("ports", {}))
         self.services: dict[str, dict[str, Any]] = dict(saved.get("services", {}))
+        self.notes: list[str] = []  # one line each: what `up` decided that a user should know
 
     # ---- state -----------------------------------------------------------------------------
     def _load(self) -> dict[str, Any]:
@@ -126,13 +141,19 @@ class Stack:
         return lambda_credentials(self.state, create=create)
 
     def _pick_port(self, key: str) -> int:
+        """The service's last port if free, else its default if free, else a free one (said in
+        one line of `notes`, naming who holds the default)."""
         old = self.ports.get(key)
         if old and port_free(old):
             return old
-        default = DEFAULT_PORTS.get(key)
-        if not self.free_ports and default and port_free(default):
+        default = default_port(key)
+        if not self.free_ports and port_free(default):
             return default
-        return free_port()
+        port = free_port()
+        if not self.free_ports:
+            self.notes.append(f"{key}: port {default} is held by "
+                              f"{port_holder(default) or 'another process'}; using {port}")
+        return port
 
     @property
     def worker_names(self) -> list[str]:
@@ -179,6 +200,18 @@ class Stack:
     def running(self, name: str) -> bool:
         token = self.services.get(name, {}).get("token")
         return alive(self._pid(name), token)
+
+    def serving(self, name: str) -> bool:
+        """Running *and* the one listening on each port recorded for it: a pid that is alive
+        but lost its port (or never got it) is not the service."""
+        keys = [k for k, svc in PORT_OWNER.items() if svc == name]
+        return self.running(name) and all(serves_port(self._pid(name), self.ports.get(k))
+                                           for k in keys)
+
+    def prefect_up(self) -> bool:
+        """Our Prefect server: its recorded pid listening on its recorded port, healthy."""
+        api = ours(self.state)
+        return api is not None and api == self.api_url and healthy(api, timeout=2.0)
 
     def _spawn(self, name: str, cmd: list[str], token: str, env: dict[str, str]) -> int:
         log = append_private(self.state / f"{name}.log")
@@ -228,12 +261,12 @@ class Stack:
         auth_string(self.state)  # the Prefect server's basic auth, before anything uses it
         assert creds is not None
         for key in ("scheduler", "dashboard", "lambda"):
-            if not self._service_up(key):
+            if not self.serving(PORT_OWNER[key]):
                 self.ports[key] = self._pick_port(key)
-        if not healthy(self.api_url or "http://127.0.0.1:1/api", timeout=1.0):
-            self.ports["prefect"] = self._pick_port("prefect")
-        else:
+        if self.prefect_up():
             self.ports["prefect"] = self.prefect_port() or 0
+        else:  # never the recorded port when someone else holds it now
+            self.ports["prefect"] = self._pick_port("prefect")
         self._save()
         env = {**self.child_env(), "PREFECT_API_URL": f"http://127.0.0.1:{self.ports['prefect']}/api"}
 
@@ -251,18 +284,14 @@ class Stack:
         self._wait_healthy(timeout)
         return self.status()
 
-    def _service_up(self, key: str) -> bool:
-        name = {"scheduler": "dask-scheduler", "dashboard": "dask-scheduler",
-                "lambda": "lambda"}[key]
-        return self.running(name)
-
     def _ensure_dask(self, env: dict[str, str]) -> None:
         from infra.dask_tls import stack_dask_config_dir  # TLS certificates, nanny environ
 
         # No secret, not even one this shell exports: a run hands each worker the keys its
         # class needs (rollart.secrets.on_cluster) and takes them back when it ends.
         dask_env = {**without_secrets(env), "DASK_CONFIG": str(stack_dask_config_dir(self.state))}
-        if not self.running("dask-scheduler"):
+        if not self.serving("dask-scheduler"):
+            self._stop("dask-scheduler")  # alive without its ports: not a scheduler of ours
             self._spawn("dask-scheduler", [
                 bin_path("dask"), "scheduler", "--host", "127.0.0.1", "--protocol", "tls",
                 "--port", str(self.ports["scheduler"]),
@@ -281,8 +310,9 @@ class Stack:
             ], token=f"--name {name}", env=dask_env)
 
     def _ensure_lambda(self, env: dict[str, str]) -> None:
-        if self.running("lambda"):
+        if self.serving("lambda"):
             return
+        self._stop("lambda")  # alive without its port: replace it
         cmd = [sys.executable, "-m", "infra.lambda_endpoint", "--port", str(self.ports["lambda"]),
                "--concurrency", "4", "--idle-timeout", "120"]
         for fn, handler in LAMBDA_FUNCTIONS.items():
@@ -327,12 +357,18 @@ class Stack:
                 "description": "rollart local stack: flow runs as processes on this machine",
                 "base_job_template": template,
             })
-        if not self.running("prefect-worker"):
+        worker = self.services.get("prefect-worker", {})
+        if worker.get("token") != WORKER_TOKEN or worker.get("api") != self.api_url:
+            # a stock `prefect worker` from before the checks, or one still polling a server
+            # that is no longer ours (it would send our auth string to whoever has that port)
+            self._stop("prefect-worker")
+        if not self.running("prefect-worker"):  # checks each run first (infra/prefect_worker)
             self._spawn("prefect-worker", [
-                bin_path("prefect"), "worker", "start", "--pool", self.pool, "--type", "process",
+                sys.executable, "-m", WORKER_TOKEN, "--pool", self.pool,
                 "--name", f"{self.pool}-worker", "--limit", str(self.worker_limit),
-                "--install-policy", "never",
-            ], token="worker", env={**env, "PREFECT_WORKER_QUERY_SECONDS": str(self.poll_seconds)})
+            ], token=WORKER_TOKEN,
+                env={**env, "PREFECT_WORKER_QUERY_SECONDS": str(self.poll_seconds)})
+            self.services["prefect-worker"]["api"] = self.api_url
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -370,14 +406,14 @@ class Stack:
     def status(self) -> list[ServiceStatus]:
         out: list[ServiceStatus] = []
         api = self.api_url
-        up = bool(api) and healthy(api, timeout=2.0)
+        up = self.prefect_up()  # ours: the recorded pid serves the recorded port
         out.append(ServiceStatus("prefect-server", up, self._pid("prefect"), self.ui_url,
                                  {"api": api, "ui": self.ui_url, "auth": PREFECT_AUTH}))
         wup = up and self.running("prefect-worker") and self._prefect_worker_online()
         out.append(ServiceStatus("prefect-worker", wup, self._pid("prefect-worker"),
                                  f"{self.ui_url}/work-pools/work-pool/{self.pool}" if up else None,
                                  {"pool": self.pool, "type": "process"}))
-        sched_up = self.running("dask-scheduler") and http_ok(
+        sched_up = self.serving("dask-scheduler") and http_ok(
             f"http://127.0.0.1:{self.ports.get('dashboard')}/health")
         out.append(ServiceStatus("dask-scheduler", sched_up, self._pid("dask-scheduler"),
                                  self.scheduler_address,
@@ -389,14 +425,16 @@ class Stack:
             out.append(ServiceStatus(svc, self.running(svc) and bool(info), self._pid(svc),
                                      info.get("address"),
                                      {"resources": info.get("resources", {})}))
-        lam_up = self.running("lambda") and http_ok(f"{self.lambda_url}/local/health")
+        lam_up = self.serving("lambda") and http_ok(f"{self.lambda_url}/local/health")
         out.append(ServiceStatus("lambda", lam_up, self._pid("lambda"), self.lambda_url,
                                  {"functions": sorted(LAMBDA_FUNCTIONS),
                                   "auth": f"SigV4, key pair in {LAMBDA_CREDENTIALS_NOTE}"}))
         if "s3" in self.services:
             info = self.services["s3"]
             # Up only with its gateway: the endpoint is the forwarder into its private network
-            up = self.running("s3") and self.running("s3-gateway")
+            port = urlsplit(info.get("url") or "").port
+            up = self.running("s3") and self.running("s3-gateway") and \
+                serves_port(self._pid("s3-gateway"), port)
             out.append(ServiceStatus("s3", up, self._pid("s3"), info.get("url"),
                                      {"bucket": info.get("bucket"), "auth": S3_AUTH,
                                       "gateway_pid": self._pid("s3-gateway")}))
@@ -418,7 +456,7 @@ class Stack:
                  "s3-gateway"]
         live = {n: self._pid(n) for n in names if self.running(n)}
         pid = self._pid("prefect")
-        if pid and alive(pid, "prefect"):
+        if pid and alive(pid, "prefect") and runs_from(pid, self.state):  # never another's
             live["prefect-server"] = pid
         stop_pids([p for p in live.values() if p])
         for name in [*names, "prefect"]:

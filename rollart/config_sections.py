@@ -15,7 +15,8 @@ from rollart.config_base import _Strict
 
 
 class RewardConfig(_Strict):
-    """How episodes are scored. `local` runs the handler in-process; `lambda` invokes an AWS
+    """How episodes are scored. `local` runs the handler on this machine, in a warm process
+    with a hard timeout and a memory cap (rollart/rewards/guard.py); `lambda` invokes an AWS
     Lambda function (real AWS, or the local endpoint through `endpoint_url`) as each episode
     finishes. Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID/... or a profile."""
 
@@ -29,13 +30,20 @@ class RewardConfig(_Strict):
     endpoint_url: str | None = None  # None: real AWS; http://127.0.0.1:PORT: local endpoint
     region: str = "us-east-1"
     max_concurrency: int = Field(32, ge=1, le=1000)  # invocations in flight from this client
-    timeout_s: float = Field(60.0, gt=0.0, le=900.0)  # per call (socket read timeout)
+    # Per call, wherever the handler runs: `local` kills its process past it (a hard timeout
+    # that works off the main thread); the embedded endpoint uses it as the function timeout;
+    # a Lambda client as its socket read timeout.
+    timeout_s: float = Field(60.0, gt=0.0, le=900.0)
+    # Memory cap of a handler's process (MiB): `local` handler processes and the embedded
+    # endpoint's function; past it the call fails like any handler error (`on_error`).
+    memory_mb: int = Field(2048, ge=128, le=10240)
     # Transient failures (throttles, 5xx, timeouts, endpoint down or restarting) are retried
     # for this long per episode, so an endpoint restart or a throttling burst costs latency,
     # not the run; past it the episode's reward fails with RewardError.
     retry_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
     max_retries: int = Field(5, ge=0, le=50)  # per episode, for handler errors (on_error=retry)
-    # A handler error (FunctionError): retry (then fail), score 0 and flag it, or fail the run.
+    # A handler error (FunctionError; locally also a timeout, memory or crash): retry (then
+    # fail), score 0 and flag it, or fail the run.
     on_error: Literal["retry", "zero", "fail"] = "retry"
     backoff_base_s: float = Field(0.05, gt=0.0)  # jittered exponential backoff: base ...
     # ... and cap: a few seconds, so a restarted endpoint is noticed soon after it is back.

@@ -1,6 +1,7 @@
 """Reward clients: turn finished trajectories into events, call a handler, attach the reward.
 
-- `LocalRewardClient`: the handler in-process (no network; the default backend).
+- `LocalRewardClient`: the handler on this machine (no network; the default backend), in a
+  warm child process with a hard timeout and a memory cap (`rollart.rewards.guard`).
 - `LambdaRewardClient`: boto3 `invoke` against AWS Lambda or the local endpoint
   (`infra/lambda_endpoint.py`, through `endpoint_url`), with bounded concurrency, a per-call
   timeout, jittered exponential backoff on throttles/5xx/transport errors for a time budget
@@ -22,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollart.rewards.registry import get_handler
+from rollart.rewards.registry import BUILTINS, HANDLERS, get_handler
 from rollart.types import Trajectory
 
 # Retry jitter draws from its own generator: the run's global `random` state is checkpointed
@@ -101,20 +102,62 @@ class RewardError(RuntimeError):
 
 
 class LocalRewardClient:
-    """Runs the handler in-process (the embedded default before the Lambda backend)."""
+    """Runs the handler on this machine, in a warm child process bounded in time and memory
+    (`rollart.rewards.guard`): a handler that hangs (math-verify's own timeout works only on a
+    main thread), allocates without bound or dies costs its call, never the caller's thread or
+    worker. Such a failure, or the handler's own exception, follows `on_error` as a Lambda
+    FunctionError does: "retry" (up to max_retries, then fail), "zero" (reward 0.0 and
+    reward_details["reward_error"] = 1), "fail" (raise RewardError at once)."""
 
-    def __init__(self, function: str = "env_outcome") -> None:
+    def __init__(self, function: str = "env_outcome", *, timeout_s: float = 60.0,
+                 memory_mb: int = 2048, on_error: str = "retry", max_retries: int = 5,
+                 max_concurrency: int = 32) -> None:
+        if on_error not in ("retry", "zero", "fail"):
+            raise ValueError(f"on_error must be retry, zero or fail, got {on_error!r}")
         self.function = function
-        self.handler = get_handler(function)
+        self.path = _importable_path(function)
+        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.on_error, self.max_retries = on_error, max_retries
+        self.max_concurrency = max_concurrency
+        self.stats = {"invocations": 0, "function_errors": 0, "timeouts": 0}
+
+    def invoke(self, event: dict[str, Any]) -> dict[str, Any]:
+        """One event -> the handler's result dict, applying the error policy."""
+        from rollart.rewards.guard import HandlerFailure, HandlerTimeout, get_pool
+
+        pool = get_pool(self.memory_mb, self.max_concurrency)
+        sample = event.get("sample_id", "?")
+        failures = 0
+        while True:
+            self.stats["invocations"] += 1
+            try:
+                result = pool.call(self.path, event, self.timeout_s)
+            except HandlerFailure as err:
+                self.stats["function_errors"] += 1
+                self.stats["timeouts"] += isinstance(err, HandlerTimeout)
+                if self.on_error == "retry" and failures < self.max_retries:
+                    failures += 1
+                    continue
+                if self.on_error == "zero":
+                    log.warning("reward function %r failed for sample %s, scored 0: %s",
+                                self.function, sample, err)
+                    return {"reward": 0.0, "reward_error": 1.0}
+                raise RewardError(f"reward function {self.function!r} failed for sample "
+                                  f"{sample}: {err}") from err
+            if "reward" not in result:
+                raise RewardError(f"reward function {self.function!r} returned no 'reward' "
+                                  f"for sample {sample}: {str(result)[:200]}")
+            return result
 
     def _score_one(self, traj: Trajectory) -> Trajectory:
         t0 = time.perf_counter()
-        _apply(traj, self.handler(reward_event(traj), None))
+        _apply(traj, self.invoke(reward_event(traj)))
         traj.timings["reward_s"] = time.perf_counter() - t0
         return traj
 
     def submit(self, traj: Trajectory) -> Future[Trajectory]:
-        """Scores now (in the caller's thread) and returns a completed future."""
+        """Scores now (the caller's thread waits for the handler's process) and returns a
+        completed future."""
         fut: Future[Trajectory] = Future()
         try:
             fut.set_result(self._score_one(traj))
@@ -126,6 +169,27 @@ class LocalRewardClient:
         for traj in trajs:
             self._score_one(traj)
         return trajs
+
+
+def _importable_path(function: str) -> str:
+    """The `module.function` a fresh process can import for `function`. A handler registered
+    only in this process (a lambda, a closure, one defined in __main__) cannot run anywhere
+    else, so it is refused here rather than failing every call."""
+    if function in BUILTINS:
+        return BUILTINS[function]
+    fn = get_handler(function)  # unknown names fail here, as before
+    if function not in HANDLERS:  # a dotted path that imported: importable by definition
+        return function
+    path = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+    try:
+        same = path.split(".", 1)[0] != "__main__" and get_handler(path) is fn
+    except KeyError:
+        same = False
+    if not same:
+        raise ValueError(f"reward handler {function!r} ({path}) cannot be imported by a "
+                         "fresh process, where local rewards run: define it at the top level "
+                         "of an importable module")
+    return path
 
 
 class LambdaRewardClient:
@@ -333,7 +397,9 @@ def make_reward_client(cfg: RewardConfig) -> LocalRewardClient | LambdaRewardCli
     """The client for a RewardConfig. Lambda clients are cached per config in this process, so
     a long-lived worker reuses its connection pool and threads across iterations."""
     if cfg.backend == "local":
-        return LocalRewardClient(cfg.function)
+        return LocalRewardClient(cfg.function, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
+                                 on_error=cfg.on_error, max_retries=cfg.max_retries,
+                                 max_concurrency=cfg.max_concurrency)
     key = cfg.model_dump_json()
     with _CLIENTS_LOCK:
         if key not in _CLIENTS:

@@ -51,10 +51,24 @@ EXIT_UNCONFINED = 97  # sandbox_runner: the kernel cannot confine the code, noth
 # Operator's choice, never a request's: run where only the audit hook (and rlimits) confine the
 # code, which a determined solution can switch off. Off by default: fail closed.
 ALLOW_WEAK_ENV = "ROLLART_SANDBOX_ALLOW_WEAK"
+SANDBOX_UID = 65534  # `nobody`: who the runner becomes when started as root
 
 
 class SandboxUnavailable(RuntimeError):
     """This host cannot confine untrusted code (the message names the missing layer)."""
+
+
+def _new_private(path: Path) -> Any:
+    """A new file, 0600 from creation (never world-readable, not even for an instant): the
+    hidden tests, the solution and their output must not be readable by other local users
+    while a run scores them."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+def _write_private(path: Path, text: str) -> None:
+    with _new_private(path) as f:
+        f.write(text.encode("utf-8"))
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -79,25 +93,27 @@ def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
     reads `stdin` (the completion marker), and the verdict is its exit status and stdout.
     `without` skips confinement layers and `preload` imports modules before the uid drop
     (tests only: each layer is shown to be needed)."""
+    # Two private dirs (0700 from creation): the boxes, which become the sandbox user's, and
+    # the caller's own io/ (stdin, stdout, stderr), kept out of the sandbox user's reach.
     base = Path(tempfile.mkdtemp(prefix="rollart-code-"))
+    io_dir = Path(tempfile.mkdtemp(prefix="rollart-code-io-"))
     roles = ["solution"] if tests_py is None else ["solution", "tests"]
     procs: dict[str, subprocess.Popen] = {}
     try:
-        io_dir = base / "io"
-        io_dir.mkdir(mode=0o700)
-        (io_dir / "stdin").write_text(stdin, encoding="utf-8")
+        _write_private(io_dir / "stdin", stdin)
         pipes = (*os.pipe(), *os.pipe()) if tests_py is not None else ()
         # solution reads requests (fd 0 of pipes) and writes answers (fd 3); tests the reverse
         fds = {"solution": pipes[0::3], "tests": pipes[1:3][::-1]} if pipes else {}
         for role in roles:
             box = base / role
-            box.mkdir()
+            box.mkdir(mode=0o700)
             name = "tests.py" if role == "tests" else "solution.py"
-            (box / name).write_text(tests_py if role == "tests" else code, encoding="utf-8")
+            _write_private(box / name, tests_py if role == "tests" else code)
             if os.geteuid() == 0:  # the runner drops to nobody, which must own its sandbox
-                base.chmod(0o711)  # traverse only: io/ stays root's
                 for p in (box, *box.iterdir()):
-                    os.chown(p, 65534, 65534)
+                    os.chown(p, SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
+        if os.geteuid() == 0:  # nobody must reach its box: the base is nobody's, still 0700
+            os.chown(base, SANDBOX_UID, SANDBOX_UID)
         t0 = time.perf_counter()
         for role in roles:
             box = base / role
@@ -111,8 +127,8 @@ def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(box),
                    "TMPDIR": str(box), "PYTHONHASHSEED": "0"}
             stdin_path = io_dir / "stdin" if mode != "serve" else Path(os.devnull)
-            with open(stdin_path, "rb") as fin, open(io_dir / f"{role}.out", "wb") as fout, \
-                    open(io_dir / f"{role}.err", "wb") as ferr:
+            with open(stdin_path, "rb") as fin, _new_private(io_dir / f"{role}.out") as fout, \
+                    _new_private(io_dir / f"{role}.err") as ferr:
                 procs[role] = subprocess.Popen(
                     [sys.executable, "-I", str(RUNNER), str(box), json.dumps(limits)],
                     stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=env,
@@ -147,6 +163,7 @@ def _run_once(code: str, tests_py: str | None, stdin: str, timeout_s: float,
                 "wall_s": wall}
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(io_dir, ignore_errors=True)
 
 
 def _same_output(got: str, want: str) -> bool:

@@ -191,7 +191,7 @@ def test_package_deploy_invoke_alias(lam, tmp_path):
     assert fn["Configuration"]["CodeSha256"] == pkg.code_sha256
     # Redeploy with a new configuration: same code (not re-uploaded), version 2, alias moves.
     out = deploy(pkg.path, "rewards-env", "env_outcome", alias="live", timeout_s=10,
-                 env={"STAGE": "2"}, endpoint_url=lam.url, credentials=lam.credentials)
+                 env={"OMP_NUM_THREADS": "2"}, endpoint_url=lam.url, credentials=lam.credentials)
     assert out["version"] == "2" and out["code_updated"] is False
     assert ctl.get_alias(FunctionName="rewards-env", Name="live")["FunctionVersion"] == "2"
     resp = boto.invoke(FunctionName="rewards-env:live", Payload=b"{}")

@@ -204,7 +204,8 @@ def test_registration_accepts_only_packaged_handlers(lam, evil_dir):
                 {"name": "evil", "handler": "os.system"}):
         status, doc_out = post(doc)
         assert status == 400, doc
-        assert "packaged" in doc_out["message"] or "unsupported" in doc_out["message"]
+        assert any(why in doc_out["message"] for why in ("packaged", "unsupported",
+                                                         "not allowed")), doc_out
     # Swapping the live reward function's handler (a failed episode would score 1.0): refused.
     status, _ = post({"name": FN, "handler": "success"})
     assert status == 409
@@ -249,6 +250,60 @@ def test_create_function_accepts_only_the_projects_package(lam, tmp_path):
                         Handler="rollart.rewards.handlers.env_outcome")
     assert ctl.get_function(FunctionName="packaged")["Configuration"]["CodeSha256"] == \
         pkg.code_sha256
+
+
+@pytest.fixture
+def startup_hook(tmp_path: Path) -> tuple[Path, Path]:
+    """A directory whose `sitecustomize` leaves a marker if any interpreter ever starts with
+    it on its path (what PYTHONPATH in a function's environment would do)."""
+    marker = tmp_path / "PWNED-ENV"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    return hook, marker
+
+
+def test_function_environment_is_allow_listed_on_every_path(lam, tmp_path, startup_hook):
+    """PYTHONPATH / LD_PRELOAD / ... through UpdateFunctionConfiguration, CreateFunction or
+    `POST /local/functions` would run code of the caller's choosing in the endpoint's user:
+    every path refuses them (400) and the function keeps its environment."""
+    hook, marker = startup_hook
+    ctl = lambda_client(lam.url, "us-east-1", lam.credentials)  # even with the right keys
+    path = "/local/functions"
+    body = json.dumps({"name": "env-target", "handler": "success", "concurrency": 1}).encode()
+    assert _send(lam, "POST", path, body, _signed(lam, "POST", path, body))[0] == 201
+    evil_envs = [{"PYTHONPATH": str(hook)}, {"LD_PRELOAD": str(hook / "x.so")},
+                 {"PYTHONSTARTUP": str(hook / "sitecustomize.py")},
+                 {"ROLLART_SANDBOX_ALLOW_WEAK": "1"}, {"OMP_NUM_THREADS": "1; id"}]
+    for env in evil_envs:
+        with pytest.raises(ClientError) as info:
+            ctl.update_function_configuration(FunctionName="env-target",
+                                              Environment={"Variables": env})
+        assert info.value.response["Error"]["Code"] == "InvalidParameterValueException", env
+        doc = json.dumps({"name": "env-evil", "handler": "success", "env": env}).encode()
+        status, _, out = _send(lam, "POST", path, doc, _signed(lam, "POST", path, doc))
+        assert status == 400 and (b"not allowed" in out or b"must match" in out), (env, out)
+    pkg = build_package(tmp_path / "rewards.zip", no_deps=True).path.read_bytes()
+    with pytest.raises(ClientError) as info:
+        ctl.create_function(FunctionName="env-evil", Role="r", Code={"ZipFile": pkg},
+                            Handler="rollart.rewards.handlers.env_outcome",
+                            Environment={"Variables": {"PYTHONPATH": str(hook)}})
+    assert info.value.response["Error"]["Code"] == "InvalidParameterValueException"
+    assert "env-evil" not in lam.metrics()["functions"]
+    cfg = ctl.get_function_configuration(FunctionName="env-target")
+    assert cfg["Environment"]["Variables"] == {}
+    # The function still runs, and no interpreter ever started with the hook on its path.
+    boto = make_boto3_client(lam.url, "us-east-1", 10, 1, lam.credentials)
+    out = boto.invoke(FunctionName="env-target", Payload=json.dumps({"success": True}).encode())
+    assert json.loads(out["Payload"].read())["reward"] == 1.0
+    assert not marker.exists()
+    # What is allowed still works, on every path.
+    ok = ctl.update_function_configuration(FunctionName="env-target",
+                                           Environment={"Variables": {"OMP_NUM_THREADS": "2"}})
+    assert ok["Environment"]["Variables"] == {"OMP_NUM_THREADS": "2"}
+    doc = json.dumps({"name": "env-ok", "handler": "success",
+                      "env": {"TOKENIZERS_PARALLELISM": "false"}}).encode()
+    assert _send(lam, "POST", path, doc, _signed(lam, "POST", path, doc))[0] == 201
 
 
 def test_body_limits_and_bad_lengths(lam):

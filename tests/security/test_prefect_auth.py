@@ -8,6 +8,8 @@
   and the job configuration a worker would render has no command from the request either.
 - prefect.db (which holds the key that decrypts block secrets) and the auth file are 0600, and
   the auth string appears in no log.
+- What the server lets through (a PATCHed deployment's pull steps, a SCHEDULED run posted with
+  any job variables) the stack's worker (infra/prefect_worker.py) refuses before anything runs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -177,3 +182,128 @@ def test_stack_locks_an_existing_open_pool(server, tmp_path):
     s._ensure_pool_and_worker(os.environ.copy())
     _, _, text = _call(f"{srv.api_url}/work_pools/{name}", headers=hdrs)
     assert json.loads(text)["base_job_template"] == locked_job_template()
+
+
+# ---- the stack's worker (infra/prefect_worker.py) -------------------------------------------
+# The server does not check everything: PATCH /deployments/{id} stores any job variables, pull
+# steps and entrypoint (204), and POST /flow_runs/ with a work pool and a SCHEDULED state takes
+# any job variables. The stack's worker checks each run before its process starts.
+
+def _dep(**kw):
+    from types import SimpleNamespace
+
+    base = {"job_variables": {"env": {"OMP_NUM_THREADS": "1"}}, "entrypoint": "flows.train:train",
+            "storage_document_id": None, "pull_steps": [
+                {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]}
+    return SimpleNamespace(**{**base, **kw})
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SHELL_STEP = {"prefect.deployments.steps.run_shell_script": {"script": "touch /tmp/pwned"}}
+
+
+@pytest.mark.parametrize("what, deployment, run_vars", [
+    ("command", _dep(job_variables={"command": "touch /tmp/pwned"}), {}),
+    ("env", _dep(job_variables={"env": {"LD_PRELOAD": "/tmp/evil.so"}}), {}),
+    ("run env", _dep(), {"env": {"PYTHONPATH": "/tmp/attacker"}}),
+    ("working_dir", _dep(), {"working_dir": "/tmp/attacker"}),
+    ("shell pull step", _dep(pull_steps=[SHELL_STEP]), {}),
+    ("git clone", _dep(pull_steps=[{"prefect.deployments.steps.git_clone": {
+        "repository": "https://example.invalid/evil.git"}}]), {}),
+    ("any callable", _dep(pull_steps=[{"subprocess.getoutput": {"cmd": "id"}}]), {}),
+    ("other directory", _dep(pull_steps=[{"prefect.deployments.steps.set_working_directory": {
+        "directory": "/tmp/attacker"}}]), {}),
+    ("file entrypoint", _dep(entrypoint="/tmp/evil.py:flow"), {}),
+    ("storage block", _dep(storage_document_id="9b1e0000-0000-0000-0000-000000000000"), {}),
+    ("no deployment", None, {}),
+])
+def test_worker_rules_refuse(what, deployment, run_vars, monkeypatch):
+    from types import SimpleNamespace
+
+    from infra.prefect_worker import RunRefused, check_run
+
+    monkeypatch.delenv("ROLLART_WORKER_ALLOW_PULL_STEPS", raising=False)
+    with pytest.raises(RunRefused):
+        check_run(SimpleNamespace(job_variables=run_vars), deployment, locked_job_template())
+
+
+def test_worker_rules_allow_the_stacks_own_deployments_and_the_operators_choice(monkeypatch):
+    from types import SimpleNamespace
+
+    from infra.prefect_worker import RunRefused, check_run
+
+    monkeypatch.delenv("ROLLART_WORKER_ALLOW_PULL_STEPS", raising=False)
+    run = SimpleNamespace(job_variables={"env": {"OMP_NUM_THREADS": "2"}})
+    check_run(run, _dep(), locked_job_template())  # what `rollart deploy` makes
+    with pytest.raises(RunRefused, match="template"):  # a pool someone re-opened
+        check_run(run, _dep(), {**locked_job_template(), "job_configuration": {
+            "command": "{{ command }}"}})
+    monkeypatch.setenv("ROLLART_WORKER_ALLOW_PULL_STEPS", "1")  # the operator trusts them
+    check_run(run, _dep(pull_steps=[SHELL_STEP], entrypoint="/srv/flows.py:f"),
+              locked_job_template())
+    with pytest.raises(RunRefused, match="job variables"):  # never the job variables
+        check_run(SimpleNamespace(job_variables={"command": "x"}), _dep(), locked_job_template())
+
+
+def _wait_final(api: str, hdrs: dict[str, str], run_id: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = json.loads(_call(f"{api}/flow_runs/{run_id}", headers=hdrs)[2])
+        state = run.get("state") or {}
+        if state.get("type") in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return state
+        assert time.monotonic() < deadline, f"flow run still {state.get('type')}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def guarded_worker(deployment, tmp_path_factory):
+    """The stack's worker (`python -m infra.prefect_worker`) polling the locked test pool."""
+    api, hdrs, dep_id, flow_id, pool, srv = deployment
+    home = tmp_path_factory.mktemp("worker-home")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREFECT_") and k != "ROLLART_WORKER_ALLOW_PULL_STEPS"}
+    env.update(srv.client_env(), PREFECT_HOME=str(home), PREFECT_WORKER_QUERY_SECONDS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "infra.prefect_worker", "--pool", pool,
+                             "--name", "guarded-test"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.kill()  # it started no flow-run process: nothing to wind down
+        proc.wait(timeout=15)
+
+
+def test_worker_refuses_what_the_server_let_through(deployment, guarded_worker, tmp_path):
+    api, hdrs, dep_id, flow_id, pool, _ = deployment
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    marker, pulled = tmp_path / "PWNED-STARTUP", tmp_path / "PWNED-PULL"
+    (hook / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    # 1. PATCH a deployment's pull steps to a shell command: stored (204), then run.
+    code, _, text = _call(f"{api}/deployments/", {
+        "name": "patched", "flow_id": flow_id, "work_pool_name": pool,
+        "entrypoint": "flows.train:train", "pull_steps": [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]},
+        hdrs)
+    patched = json.loads(text)["id"]
+    code, _, _ = _call(f"{api}/deployments/{patched}", {"pull_steps": [
+        {"prefect.deployments.steps.run_shell_script": {"script": f"touch {pulled}"}}]},
+        hdrs, method="PATCH")
+    assert code == 204  # what Prefect 3.9.1 does: no check on PATCH
+    code, _, text = _call(f"{api}/deployments/{patched}/create_flow_run", {}, hdrs)
+    assert code in (200, 201), text
+    shell_run = json.loads(text)["id"]
+    # 2. A scheduled run with any environment, straight through POST /flow_runs/.
+    code, _, text = _call(f"{api}/flow_runs/", {
+        "flow_id": flow_id, "deployment_id": dep_id, "work_pool_name": pool,
+        "work_queue_name": "default", "state": {"type": "SCHEDULED"},
+        "job_variables": {"env": {"PYTHONPATH": str(hook)}}}, hdrs)
+    assert code in (200, 201), text  # the server takes it
+    env_run = json.loads(text)["id"]
+    for run_id, why in ((shell_run, "pull step"), (env_run, "job variables")):
+        state = _wait_final(api, hdrs, run_id)
+        assert state["type"] == "CRASHED" and "RunRefused" in (state.get("message") or ""), \
+            state
+        assert why in state["message"], state
+    assert not marker.exists() and not pulled.exists()
