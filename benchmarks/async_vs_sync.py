@@ -99,7 +99,7 @@ def run_variant(name: str, iterations: int, root: str, tail: int,
         "dropped_stale_episodes": curve[-1].get("rollout/dropped_stale_episodes", 0.0),
         "episodes_consumed": sum(m["rollout/episodes"] for m in curve),
         # Stragglers that go stale are dropped: does the slow task keep its share of batches?
-        "slow_task_share": sum(m.get("rollout/lake-slowtool/episodes", 0.0) for m in curve)
+        "slow_task_share": sum(m.get("rollout/task/lake-slowtool/episodes", 0.0) for m in curve)
         / sum(m["rollout/episodes"] for m in curve),
         "max_token_staleness": max(m.get("train/staleness_max", 0.0) for m in curve),
         # Weight sync while generating: the engine's blocked time, and the whole sync call

@@ -31,6 +31,7 @@ from rollart.config_sections import (
     SlowdownConfig,
     StorageConfig,
 )
+from rollart.config_tasks import KeyedValueError, check_tasks
 from rollart.cpu_pinning import class_cores
 from rollart.routing.catalog import HardwareClass, default_catalog
 
@@ -373,6 +374,7 @@ class RunConfig(_Strict):
         names = [t.name for t in self.tasks]
         if len(set(names)) != len(names):
             raise ValueError(f"task names must be unique, got {names}")
+        check_tasks(self.tasks, self.rollout.num_groups)  # env ids, shares (KeyedValueError)
         return self
 
     @field_validator("hardware", mode="before")
@@ -475,6 +477,9 @@ class RunConfig(_Strict):
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    keyed = first.get("ctx", {}).get("error")
+    if isinstance(keyed, KeyedValueError):  # found by a validator above the key it is about
+        loc = keyed.key
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{loc}' (check the spelling; see configs/default.yaml)"
     msg = first["msg"].removeprefix("Value error, ")

@@ -30,32 +30,33 @@ class TrajStats(NamedTuple):
     total_tokens: int
     task: str
     start_version: int  # the policy version of its first turn (-1: no turn)
+    # new (non-model) tokens prefilled before each turn, summed: the prefill side of the task's
+    # profile (system prompt and first observation, then each observation)
+    prompt_tokens: int = 0
 
 
 def traj_stats(t: Trajectory) -> TrajStats:
     return TrajStats(t.error is None, t.success, t.env_return, t.num_turns,
                      sum(u.action is None for u in t.turns), t.format_errors,
                      t.num_model_tokens, len(t.token_ids), t.task,
-                     t.turns[0].weight_version if t.turns else -1)
+                     t.turns[0].weight_version if t.turns else -1,
+                     sum(u.prompt_tokens for u in t.turns))
 
 
-def rollout_metrics(trajs: list[Trajectory], prefix: str = "rollout",
-                    stats: list[TrajStats] | None = None) -> dict[str, float]:
-    """`stats`: `traj_stats` of each of `trajs` where the caller has them already."""
-    every = stats if stats is not None else [traj_stats(t) for t in trajs]
-    ok = [s for s in every if s.ok]
+def _summary(prefix: str, every: int, ok: list[TrajStats]) -> dict[str, float]:
+    """The figures of `ok` (the episodes that ran to an end) out of `every` episodes."""
     # one column per field (zip and sum run in C: a batch of thousands of episodes is taken
     # on the rollout service's side, under the GIL that every turn in flight needs)
     col = TrajStats(*zip(*ok, strict=True)) if ok else TrajStats(*([()] * len(TrajStats._fields)))
     n = len(ok)
     turns = sum(col.turns)
     model_tokens = sum(col.model_tokens)
-    out = {
-        f"{prefix}/episodes": float(len(every)),
-        f"{prefix}/failed": float(len(every) - n),
+    return {
+        f"{prefix}/episodes": float(every),
+        f"{prefix}/failed": float(every - n),
         f"{prefix}/success_rate": sum(col.success) / n if n else 0.0,
         f"{prefix}/env_return": _mean(col.env_return),
-        f"{prefix}/episode_len": turns / n if n else 0.0,
+        f"{prefix}/episode_len": turns / n if n else 0.0,  # mean turns per episode
         # turns whose response gave the env no action at all (a no-op turn): the failure
         f"{prefix}/no_action_rate": sum(col.no_action_turns) / max(turns, 1),
         # turns not in the strict `<answer>X</answer>` format; with `parser: lenient` a bare
@@ -63,18 +64,39 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "rollout",
         f"{prefix}/format_error_rate": sum(col.format_errors) / max(turns, 1),
         f"{prefix}/model_tokens": float(model_tokens),
         f"{prefix}/total_tokens": float(sum(col.total_tokens)),
-        f"{prefix}/response_len": model_tokens / max(turns, 1),
+        f"{prefix}/response_len": model_tokens / max(turns, 1),  # decode tokens per turn
+        f"{prefix}/prompt_len": sum(col.prompt_tokens) / max(turns, 1),  # prefill per turn
     }
-    tasks = sorted(set(col.task))
-    if len(tasks) > 1:
+
+
+def rollout_metrics(trajs: list[Trajectory], prefix: str = "rollout",
+                    stats: list[TrajStats] | None = None) -> dict[str, float]:
+    """The batch's figures under `{prefix}/...`; with several tasks in it, the same figures per
+    task under `{prefix}/task/{name}/...` (a mixed batch's mean hides which task learns and
+    what each costs per turn: the prefill/decode profile the router places by). `stats`:
+    `traj_stats` of each of `trajs` where the caller has them already."""
+    every = stats if stats is not None else [traj_stats(t) for t in trajs]
+    out = _summary(prefix, len(every), [s for s in every if s.ok])
+    if len({s.task for s in every}) > 1:  # failed episodes count: a task that only failed
         by_task: dict[str, list[TrajStats]] = defaultdict(list)
-        for s in ok:
+        for s in every:
             by_task[s.task].append(s)
-        for name, ss in by_task.items():
-            out[f"{prefix}/{name}/success_rate"] = _mean([float(s.success) for s in ss])
-            out[f"{prefix}/{name}/env_return"] = _mean([s.env_return for s in ss])
-            out[f"{prefix}/{name}/episodes"] = float(len(ss))  # its share of the batch
+        for name in sorted(by_task):
+            ss = by_task[name]
+            out.update(_summary(f"{prefix}/task/{name}", len(ss), [s for s in ss if s.ok]))
     return out
+
+
+def task_metrics(metrics: dict[str, float], prefix: str = "rollout") -> dict[str, dict[str, float]]:
+    """{task: {figure: value}} of one metrics row's `{prefix}/task/{name}/{figure}` keys (task
+    names may hold '/'; figures never do)."""
+    head = f"{prefix}/task/"
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for key, value in metrics.items():
+        if key.startswith(head) and "/" in key[len(head):]:
+            name, _, figure = key[len(head):].rpartition("/")
+            out[name][figure] = value
+    return dict(out)
 
 
 def reward_metrics(trajs: list[Trajectory], zero_var_groups: int) -> dict[str, float]:

@@ -32,10 +32,24 @@ def plan_iteration(cfg: RunConfig, iteration: int) -> list[EpisodeSpec]:
     return specs
 
 
+def eval_counts(episodes: int, shares: list[float]) -> list[int]:
+    """Evaluation episodes per task: split by share, but every task gets at least one while
+    there are enough (a task with a small share would otherwise get none, and the evaluation
+    would report no success rate for it); each one it lacks comes from the task with most."""
+    counts = split_by_share(episodes, shares)
+    if episodes >= len(counts):
+        for i, n in enumerate(counts):
+            if n == 0:
+                counts[max(range(len(counts)), key=counts.__getitem__)] -= 1
+                counts[i] = 1
+    return counts
+
+
 def plan_eval(cfg: RunConfig, episodes: int, tag: str = "eval") -> list[EpisodeSpec]:
-    """Held-out seeds (offset past every training seed), split across tasks by share."""
+    """Held-out seeds (offset past every training seed), split across tasks by share, at
+    least one per task (`eval_counts`), so evaluation reports every task's success."""
     specs: list[EpisodeSpec] = []
-    counts = split_by_share(episodes, [t.share for t in cfg.tasks])
+    counts = eval_counts(episodes, [t.share for t in cfg.tasks])
     for task, n in zip(cfg.tasks, counts, strict=True):
         for i in range(n):
             seed = cfg.seed if task.seeds == "fixed" else task.eval_seed_offset + i

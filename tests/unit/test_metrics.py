@@ -1,7 +1,7 @@
 """rollout_metrics against hand-computed values, and the per-episode stats path the rollout
 service takes (TrajStats computed when an episode ends) against the plain one."""
 
-from rollart.metrics import rollout_metrics, traj_stats
+from rollart.metrics import rollout_metrics, task_metrics, traj_stats
 from rollart.types import Trajectory, Turn
 
 
@@ -40,8 +40,37 @@ def test_rollout_metrics_hand_computed():
     assert m["rollout/model_tokens"] == 5.0  # 3 + 2
     assert m["rollout/total_tokens"] == 10.0  # 6 + 4
     assert m["rollout/response_len"] == 1.0  # 5 model tokens over 5 turns
-    assert m["rollout/t1/success_rate"] == 1.0 and m["rollout/t1/episodes"] == 1.0
-    assert m["rollout/t2/env_return"] == -0.5
+    assert m["rollout/prompt_len"] == 3.0  # 3 new prompt tokens before each turn
+
+
+def test_per_task_figures_under_task_prefix():
+    m = rollout_metrics(batch())
+    t1, t2 = "rollout/task/t1", "rollout/task/t2"
+    # t1: a (2 turns, solved) and c (failed: counted, left out of the rates)
+    assert m[f"{t1}/episodes"] == 2.0 and m[f"{t1}/failed"] == 1.0
+    assert m[f"{t1}/success_rate"] == 1.0 and m[f"{t1}/env_return"] == 1.0
+    assert m[f"{t1}/episode_len"] == 2.0 and m[f"{t1}/format_error_rate"] == 0.5
+    assert m[f"{t1}/response_len"] == 1.5  # 3 model tokens over 2 turns
+    assert m[f"{t1}/prompt_len"] == 3.0
+    assert m[f"{t2}/episodes"] == 1.0 and m[f"{t2}/success_rate"] == 0.0
+    assert m[f"{t2}/env_return"] == -0.5 and m[f"{t2}/episode_len"] == 3.0
+    assert m[f"{t2}/response_len"] == 2 / 3 and m[f"{t2}/format_error_rate"] == 0.0
+    assert not any(k.startswith(("rollout/t1/", "rollout/t2/")) for k in m)  # old keys
+    # evaluation: the same figures under eval/task/...
+    ev = rollout_metrics(batch(), prefix="eval")
+    assert ev["eval/task/t1/success_rate"] == 1.0 and ev["eval/task/t2/episodes"] == 1.0
+    assert task_metrics(ev, "eval")["t2"]["episode_len"] == 3.0
+    assert set(task_metrics(m)) == {"t1", "t2"}
+
+
+def test_one_task_has_no_per_task_figures():
+    one = [t for t in batch() if t.task == "t1"]
+    assert not any("/task/" in k for k in rollout_metrics(one))
+    # a task whose episodes all failed still has its figures (it is in the run)
+    failed_only = batch()[1:]  # b (t2) and c (t1, failed)
+    m = rollout_metrics(failed_only)
+    assert m["rollout/task/t1/episodes"] == 1.0 and m["rollout/task/t1/failed"] == 1.0
+    assert m["rollout/task/t1/success_rate"] == 0.0
 
 
 def test_precomputed_stats_give_the_same_metrics():

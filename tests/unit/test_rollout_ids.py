@@ -59,3 +59,22 @@ def test_plan_scheduler_and_service_name_the_same_samples():
     assert [s.seed for s in starts] == [s.seed for s in plan_iteration(cfg, 1)]
     assert [s.sample_id for s in plan_eval(cfg, 2)] == [eval_id("eval", task, 0),
                                                         eval_id("eval", task, 1)]
+
+
+def test_eval_spreads_over_every_task_by_share():
+    """Held-out evaluation reports every task: episodes split by share, at least one per task
+    while there are enough (a small share alone would round a task away)."""
+    from rollart.rollout.plan import eval_counts
+
+    two = ("tasks=[{name: a, env_id: FrozenLake-v1, share: 0.9}, "
+           "{name: b, env_id: FrozenLake-v1, share: 0.1}]")
+    cfg = load_config(None, [two, "rollout.num_groups=10"])  # b trains: 1 group of 10
+    by_task = [s.task.name for s in plan_eval(cfg, 4)]
+    assert by_task == ["a", "a", "a", "b"]  # by share alone: 4 and 0
+    assert [s.seed for s in plan_eval(cfg, 4)][-1] == cfg.tasks[1].eval_seed_offset
+    assert eval_counts(32, [0.9, 0.1]) == [29, 3]  # enough for both: the plain share split
+    assert eval_counts(6, [1.0, 1.0, 1.0]) == [2, 2, 2]
+    assert eval_counts(3, [10.0, 1.0, 1.0]) == [1, 1, 1]
+    assert eval_counts(1, [1.0, 1.0]) == [1, 0]  # fewer episodes than tasks: by share
+    assert sum(eval_counts(7, [5.0, 0.01, 0.01, 2.0])) == 7
+    assert min(eval_counts(7, [5.0, 0.01, 0.01, 2.0])) == 1
