@@ -52,11 +52,14 @@ bench-engines: venv
 	$(BIN)/python benchmarks/engines.py
 
 # TRL in a venv of its own (benchmarks/vs_trl.py runs it; nothing of it enters rollart's venv).
+# gymnasium: the multi-turn peer (benchmarks/peer_trl_agentic.py) plays rollart's guess env in
+# TRL's rollout_func, and rollart's env registry imports gymnasium (the version of .venv).
 PEER := .venv-peer
-$(PEER)/.installed:
+$(PEER)/.installed: Makefile
 	test -x $(PEER)/bin/python || $(PY) -m venv $(PEER)
 	$(PEER)/bin/python -m pip install -q torch==2.13.0
-	$(PEER)/bin/python -m pip install -q 'trl==1.16.0' 'transformers<5.20' 'math-verify>=0.7'
+	$(PEER)/bin/python -m pip install -q 'trl==1.16.0' 'transformers<5.20' 'math-verify>=0.7' \
+		'gymnasium==1.4.0'
 	touch $@
 
 peer: $(PEER)/.installed

@@ -1,0 +1,366 @@
+"""rollart vs TRL 1.16's GRPOTrainer on a multi-turn agentic task: the guess env, SmolLM2-135M.
+
+Both frameworks train SmolLM2-135M-Instruct (float32, `rollart models fetch
+smollm2-135m-instruct`) on the same multi-turn episodes: guess a number 1..16 with
+higher/lower feedback each turn, `<answer>K</answer>` actions, lenient parsing
+(rollart/envs/guess.py), the env's system prompt and observations in the model's ChatML
+template exactly as rollart's episode loop builds them (`benchmarks/agentic_episodes.py`, shared
+by both sides), the same env seeds per step (rollart's own plan, `plan_iteration`), the same
+reward (`env_outcome`), batch (`--groups` x `--group-size` episodes), per-turn token budget,
+turns per episode, temperature, learning rate, loss (GRPO group advantage, PPO clip 0.2, token
+mean per episode then mean over episodes, no KL / reference model, one optimizer step per
+batch) and with observation tokens out of both losses.
+
+TRL runs in its own venv (`make peer`), through its experimental `rollout_func` (why that one,
+with the source lines: `benchmarks/peer_trl_agentic.py`, and `mechanism` in the results file).
+rollart runs as a user runs it: `rollart train --config configs/smollm2-guess.yaml --set ...`
+(Prefect flow, embedded Dask cluster, HF engine on the H20 worker, trainer on H800).
+
+One evaluator for every model: greedy play with rollart's episode loop and an HF engine in this
+process, on held-out seeds (one per secret, all >= 1,000,000; no training seed reaches them),
+before training and after each run. Accounting, the same on both sides (`Tally` over each run's
+trajectories: rollart's stored shards, TRL's rollout_func): model tokens = generated tokens,
+env steps = turns played; rates are over each run's whole wall time, start-up included.
+
+    make peer && .venv/bin/python benchmarks/agentic_vs_trl.py     # -> results/agentic_vs_trl.json
+    .venv/bin/python benchmarks/agentic_vs_trl.py --steps 2 --groups 1 --group-size 2 \\
+        --seeds 0 --out /tmp/agentic_vs_trl_smoke.json                 # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.agentic_episodes import (  # noqa: E402
+    Match,
+    Tally,
+    group_specs,
+    guess_task,
+    held_out_seeds,
+    sampling,
+    tally_rows,
+)
+from rollart.config import load_config  # noqa: E402
+from rollart.rollout.plan import plan_iteration  # noqa: E402
+
+CONFIG = ROOT / "configs/smollm2-guess.yaml"
+PEER_PY = ROOT / ".venv-peer/bin/python"
+PEER = ROOT / "benchmarks/peer_trl_agentic.py"
+
+NOTES = [
+    "Both sides play episodes with rollart's episode loop (run_episodes) and differ in "
+    "generation (rollart: HFEngine, finished rows leave the batch; TRL: transformers generate "
+    "as in GRPOTrainer._generate_single_turn, finished rows decode padding until the batch's "
+    "last row ends) and in training (rollart: the flow's trainer worker; TRL: GRPOTrainer).",
+    "Model tokens are tokens that enter an episode (loss mask 1) on both sides; padding TRL "
+    "decodes for finished rows is not counted.",
+    "Held-out: greedy play against the guess env depends only on the secret, so one seed per "
+    "secret (16) is the whole held-out distribution; secrets repeat between training and "
+    "held-out seeds by construction (16 values), the seeds do not.",
+    "TRL logs completions/clipped_ratio 1: each completion ends with chat glue (as rollart's "
+    "trajectory does), not end-of-turn; mask_truncated_completions is False, so nothing is "
+    "masked for it.",
+    "rollart: algo.off_policy none (TRL has no behaviour correction without vLLM), "
+    "algo.std_eps 1e-4 (TRL's constant); its first step includes warm-up and its last the "
+    "final checkpoint's blocking save (checkpoint_s); TRL saves after its steps (save_s); the "
+    "whole-run rates include all of it. The Prefect server is started by the first rollart run "
+    "and reused by later ones, as a user's later runs reuse it.",
+]
+
+
+def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: int,
+                      engine: str) -> list[str]:
+    """Every matched setting pinned, whatever the config file says (another engineer owns it)."""
+    task = guess_task(m).model_dump()
+    algo = {"advantage": "grpo", "normalize_std": True, "std_eps": m.std_eps,
+            "loss": "ppo_clip", "clip_low": m.clip, "clip_high": m.clip, "dual_clip": None,
+            "loss_agg": "seq_mean_token_mean", "kl_coef": 0.0, "entropy_coef": 0.0,
+            # TRL has no behaviour correction without vLLM; rollart's "tis" weights would be
+            # 1 within ~1e-6 here (synced weights), "none" makes the objectives identical.
+            "off_policy": "none"}
+    return [f"seed={seed}", f"iterations={m.steps}", "model.source=hf_dir",
+            f"model.path={model_dir}", "model.dtype=float32", f"engine.backend={engine}",
+            f"engine.max_new_tokens={m.max_new_tokens}", f"engine.temperature={m.temperature}",
+            f"engine.top_p={m.top_p}", f"engine.stop={json.dumps(list(m.stop))}",
+            f"engine.max_batch_size={m.max_batch_size}", f"engine.threads={threads}",
+            f"tasks={json.dumps([task])}", f"rollout.num_groups={m.groups}",
+            f"rollout.group_size={m.group_size}", "rollout.max_staleness=0",
+            "rollout.redundancy=0", f"algo={json.dumps(algo)}", f"train.lr={m.lr}",
+            "train.epochs=1", f"train.micro_batch_size={m.groups * m.group_size}",
+            f"train.grad_clip={m.grad_clip}", "train.weight_decay=0.0", "train.max_kl=0.0",
+            f"train.threads={threads}", "train.world_size=1", "reward.backend=local",
+            "reward.function=env_outcome", "eval.episodes=0", "eval.before_training=false",
+            f"storage.root={root}", f"storage.save_every={m.steps}", "storage.keep_last=1"]
+
+
+def train_seeds(overrides: list[str], steps: int) -> list[list[int]]:
+    """The env seed of each group of each step, from rollart's own plan of the run."""
+    cfg = load_config(CONFIG, overrides)
+    out = []
+    for it in range(steps):
+        specs = plan_iteration(cfg, it)
+        out.append(list(dict.fromkeys(s.seed for s in specs)))
+    return out
+
+
+def load_model(path: str | Path, state: dict[str, torch.Tensor] | None = None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state, strict=False)  # tied LM head restored through the tie
+    return model.eval()
+
+
+@torch.no_grad()
+def evaluate(model: Any, tok: Any, m: Match, seeds: list[int]) -> dict[str, Any]:
+    """Greedy held-out success: rollart's episode loop, an HF engine on `model` (the one
+    evaluator for the base model and every framework's final model)."""
+    from rollart.engines import HFEngine
+    from rollart.models.chat import ChatFormat
+    from rollart.rollout.env_manager import run_episodes
+
+    t0 = time.perf_counter()
+    engine = HFEngine(model, tok, seed=0, max_batch_size=m.max_batch_size)
+    specs = group_specs(guess_task(m), seeds, 1, "eval")
+    trajs = run_episodes(specs, engine.generate, ChatFormat(tok), sampling(m, greedy=True),
+                         m.max_context)
+    t = Tally().add(trajs)
+    return {"success_rate": t.successes / len(trajs), "success": [int(x.success) for x in trajs],
+            "mean_turns": t.env_steps / len(trajs),
+            "strict_format_rate": sum(u.format_ok for x in trajs for u in x.turns)
+            / max(t.env_steps, 1), "eval_s": time.perf_counter() - t0}
+
+
+def run_trl(m: Match, model_dir: str, data: Path, work: Path, seed: int, threads: int) -> dict:
+    out, save = work / f"trl-{seed}.json", work / f"trl-{seed}-model"
+    cmd = [str(PEER_PY), str(PEER), "--model", model_dir, "--data", str(data), "--seed",
+           str(seed), "--threads", str(threads), "--out", str(out), "--save", str(save)]
+    log = work / f"trl-{seed}.log"
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        sys.exit(f"TRL seed {seed} failed (exit {rc}); log: {log}")
+    res = json.loads(out.read_text())
+    steps = res["steps"]
+    return {"framework": "trl", "seed": seed, "wall_s": wall, "step_s": res["step_s"],
+            "rollout_s": [s["rollout_s"] for s in steps],
+            "training_s": [s - g for s, g in zip(res["step_s"], res["rollout_and_score_s"],
+                                                 strict=False)],
+            "startup_s": res["import_s"] + res["load_s"], "save_s": res["save_s"],
+            "tally": {k: res[k] for k in ("episodes", "env_steps", "model_tokens", "successes")},
+            "per_step": steps, "reward": res["reward"], "trl_config": res["trl_config"],
+            "seeds_played": [s["seeds"][::m.group_size] for s in steps], "command": cmd,
+            "model": str(save)}
+
+
+def read_shards(run_dir: Path) -> tuple[Tally, list[list[int]]]:
+    """(counts over the run's stored trajectories, each step's group seeds in group order)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollart.types import table_to_trajectories
+
+    files = sorted((run_dir / "trajectories").glob("*/*.parquet"))
+    trajs = table_to_trajectories(pa.concat_tables([pq.read_table(f) for f in files]))
+    seeds: dict[int, dict[str, int]] = {}
+    for t in trajs:
+        seeds.setdefault(t.iteration, {})[t.group_id] = t.seed
+    order = [[by[g] for g in sorted(by, key=lambda g: int(g.rsplit("g", 1)[1]))]
+             for _, by in sorted(seeds.items())]
+    return Tally().add(trajs), order
+
+
+def run_rollart(m: Match, overrides: list[str], work: Path, seed: int) -> dict:
+    run_id = f"agentic-vs-trl-{seed}-{int(time.time())}"
+    cmd = [str(ROOT / ".venv/bin/rollart"), "train", "--config", str(CONFIG), "--run-id", run_id]
+    for s in overrides:
+        cmd += ["--set", s]
+    log = work / f"{run_id}.log"
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        sys.exit(f"rollart seed {seed} failed (exit {rc}); log: {log}")
+    run_dir = work / "artifacts/runs" / run_id
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("iteration", 0) >= 0 and "perf/iteration_s" in r]
+    tally, played = read_shards(run_dir)
+    return {"framework": "rollart", "seed": seed, "wall_s": wall, "run_id": run_id,
+            "step_s": [r["perf/iteration_s"] for r in rows],
+            "rollout_s": [r.get("perf/rollout_s") for r in rows],
+            "training_s": [r.get("perf/update_s") for r in rows],
+            "sync_s": [r.get("perf/sync_s") for r in rows],
+            "checkpoint_s": [r.get("perf/checkpoint_s", 0.0) for r in rows],
+            "tally": vars(tally), "tally_from_metrics": vars(tally_rows(rows)),
+            "reward": [r.get("reward/mean") for r in rows],
+            "success_rate": [r.get("rollout/success_rate") for r in rows],
+            "seeds_played": played, "command": cmd, "run_dir": str(run_dir)}
+
+
+def final_state(run_dir: str) -> dict[str, torch.Tensor]:
+    import safetensors.torch
+
+    ckpts = sorted(Path(run_dir, "checkpoints").glob("*/model.safetensors"))
+    if not ckpts:
+        sys.exit(f"no checkpoint under {run_dir}/checkpoints")
+    return safetensors.torch.load(ckpts[-1].read_bytes())
+
+
+def host_facts() -> dict[str, Any]:
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return ""
+
+    cpu = next((line.split(":", 1)[1].strip() for line in read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor())
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+
+    return {"cpu": cpu, "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+            "boot_id": read("/proc/sys/kernel/random/boot_id").strip(),
+            "hostname": platform.node(), "commit": git("rev-parse", "HEAD"),
+            "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "loadavg_start": read("/proc/loadavg").split()[:3], "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def summarise(runs: list[dict[str, Any]], base: float, seeds: list[int]) -> dict[str, Any]:
+    """Headline fields: success gains (per seed and mean), whole-run rate ratios, step times."""
+    out: dict[str, Any] = {}
+    by = {fw: {r["seed"]: r for r in runs if r["framework"] == fw} for fw in ("rollart", "trl")}
+    for fw, mine in by.items():
+        gains = {str(s): mine[s]["held_out"]["success_rate"] - base for s in seeds if s in mine}
+        out[f"{fw}_success_gain"] = statistics.mean(gains.values()) if gains else None
+        out[f"{fw}_success_gain_per_seed"] = gains
+        steps = [x for r in mine.values() for x in r["step_s"]]
+        out.setdefault("step_s", {})[fw] = statistics.median(steps) if steps else None
+        out["step_s"][f"{fw}_per_seed"] = {str(s): statistics.median(r["step_s"])
+                                           for s, r in mine.items()}
+    both = [s for s in seeds if s in by["rollart"] and s in by["trl"]]
+
+    def rate(rs: list[dict[str, Any]], key: str) -> float:
+        return sum(r["tally"][key] for r in rs) / sum(r["wall_s"] for r in rs)
+
+    for key, name in (("model_tokens", "tokens_per_s_ratio"),
+                      ("env_steps", "env_steps_per_s_ratio")):
+        if not both:
+            out[name] = None
+            continue
+        out[name] = rate([by["rollart"][s] for s in both], key) / rate(
+            [by["trl"][s] for s in both], key)
+        out[f"{name}_per_seed"] = {str(s): rate([by["rollart"][s]], key) / rate([by["trl"][s]],
+                                                                                key)
+                                   for s in both}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--groups", type=int, default=2, help="prompts (env seeds) per step")
+    ap.add_argument("--group-size", type=int, default=8, help="episodes per prompt")
+    ap.add_argument("--seeds", default="0,1", help="run seeds, one run per framework each")
+    ap.add_argument("--frameworks", default="trl,rollart")
+    ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollart's engine")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "results/agentic_vs_trl.json"))
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    a = ap.parse_args()
+    frameworks = [f for f in a.frameworks.split(",") if f]
+    if "trl" in frameworks and not PEER_PY.exists():
+        sys.exit("TRL's venv is missing: run `make peer` first (.venv-peer, trl==1.16.0)")
+    if not CONFIG.exists():
+        sys.exit(f"{CONFIG} is missing (the guess run config this benchmark overrides)")
+    from transformers import AutoTokenizer
+
+    from rollart.models.fetch import fetch_model
+
+    host = host_facts()  # the commit that runs (the tree may change while this runs)
+    m = Match(steps=a.steps, groups=a.groups, group_size=a.group_size)
+    seeds = [int(s) for s in a.seeds.split(",") if s]
+    model_dir = fetch_model("smollm2-135m-instruct")["path"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    torch.set_num_threads(a.threads)
+    work = Path(tempfile.mkdtemp(prefix="rollart-agentic-vs-trl-"))
+    held = held_out_seeds(m)
+    probe = work / "probe.json"
+    if "trl" in frameworks:  # not timed: which mechanism, and what environment_factory says
+        done = subprocess.run([str(PEER_PY), str(PEER), "--probe", "--model", model_dir,
+                               "--out", str(probe)], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"{done.stderr[-2000:]}\nthe TRL peer does not start (an older .venv-peer "
+                     "without gymnasium?): run `make peer`")
+    base = evaluate(load_model(model_dir), tok, m, held)
+    print(f"base greedy success {base['success_rate']:.3f} on {len(held)} held-out seeds",
+          flush=True)
+    runs: list[dict[str, Any]] = []
+    try:
+        for i, seed in enumerate(seeds):
+            overrides = rollart_overrides(m, seed, model_dir, work / "artifacts", a.threads,
+                                          a.engine)
+            planned = train_seeds(overrides, m.steps)
+            data = work / f"data-{seed}.json"
+            data.write_text(json.dumps({"match": m.to_json(), "train_seeds": planned}))
+            order = frameworks if i % 2 == 0 else frameworks[::-1]  # alternate who goes first
+            for fw in order:
+                if fw == "trl":
+                    res = run_trl(m, model_dir, data, work, seed, a.threads)
+                    model = load_model(res["model"])
+                else:
+                    res = run_rollart(m, overrides, work, seed)
+                    model = load_model(model_dir, final_state(res["run_dir"]))
+                res["seeds_match_plan"] = res["seeds_played"] == planned
+                res["held_out"] = evaluate(model, tok, m, held)
+                runs.append(res)
+                print(f"seed {seed} {fw}: {statistics.median(res['step_s']):.1f} s/step, "
+                      f"wall {res['wall_s']:.0f} s, {res['tally']['model_tokens']} tokens, "
+                      f"{res['tally']['env_steps']} env steps, held-out "
+                      f"{res['held_out']['success_rate']:.3f}", flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    mech = json.loads(probe.read_text()) if probe.exists() else None
+    out = {"benchmark": "agentic_vs_trl", "command": " ".join([sys.executable, *sys.argv]),
+           "host": {**host, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
+           "model": "SmolLM2-135M-Instruct (float32)", "settings": m.to_json(),
+           "run_seeds": seeds, "rollart_engine": a.engine,
+           "rollart_config": str(CONFIG.relative_to(ROOT)),
+           "held_out_seeds": held, "base_success": base["success_rate"], "base": base,
+           **summarise(runs, base["success_rate"], seeds), "mechanism": mech, "notes": NOTES,
+           "runs": runs}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"agentic_vs_trl: success gain rollart {out['rollart_success_gain']} vs TRL "
+          f"{out['trl_success_gain']}; tokens/s ratio {out['tokens_per_s_ratio']}, env steps/s "
+          f"ratio {out['env_steps_per_s_ratio']}; step_s {out['step_s']} -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()

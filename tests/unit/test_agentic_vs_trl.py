@@ -1,0 +1,198 @@
+"""The pieces of benchmarks/agentic_vs_trl.py that both frameworks share, without TRL: the
+episode a TRL rollout_func returns (its prompt, completion and env mask are the very tokens and
+loss mask rollart trains on, in the model's chat template), the stop rule applied to TRL's
+generations, the counting (the same on both sides, and the same as rollart's metrics), the
+held-out seeds, the summary ratios, and the rollart overrides that pin every matched setting."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.agentic_episodes import (  # noqa: E402
+    EVAL_SEED_OFFSET,
+    Match,
+    Tally,
+    cut_completion,
+    episode_reward,
+    group_specs,
+    guess_task,
+    held_out_seeds,
+    sampling,
+    tally_rows,
+    trl_sample,
+)
+from rollart.envs.guess import GuessEnv  # noqa: E402
+from rollart.metrics import rollout_metrics  # noqa: E402
+from rollart.models.chat import ChatFormat  # noqa: E402
+from rollart.models.tokenizer import build_tokenizer  # noqa: E402
+from rollart.rollout.env_manager import run_episodes  # noqa: E402
+from rollart.types import Completion, GenerationRequest  # noqa: E402
+
+# Turn scripts: a stop-string turn, an eos turn, a bare number (lenient), and the right answer.
+SCRIPT = ["I guess <answer>8</answer>", "<answer>4</answer><|im_end|>", "The number 2",
+          "<answer>{secret}</answer>"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = GuessEnv().corpus_texts() + ["I guess the number", "The number"]
+    return build_tokenizer(texts, 400)
+
+
+def scripted(chat: ChatFormat, secret: int):
+    """A GenerateFn that answers turn k with SCRIPT[k] (ids as the engine would return)."""
+    def generate(requests: list[GenerationRequest]) -> list[Completion]:
+        out = []
+        for r in requests:
+            turn = int(r.request_id.rsplit("#t", 1)[1])
+            text = SCRIPT[min(turn, len(SCRIPT) - 1)].format(secret=secret)
+            ids = chat.encode(text)
+            why = "eos" if ids[-1] == chat.eos_id else "stop"
+            out.append(Completion(r.request_id, ids, [-0.5] * len(ids), text, why, 0))
+        return out
+    return generate
+
+
+def play(tok, seed: int = 7, n: int = 2):
+    m = Match(group_size=n)
+    env = GuessEnv()
+    env.reset(seed)
+    chat = ChatFormat(tok)
+    trajs = run_episodes(group_specs(guess_task(m), [seed], n, "t"),
+                         scripted(chat, env.secret), chat, sampling(m), m.max_context)
+    return m, env, trajs
+
+
+def test_trl_sample_is_rollarts_conversation_in_the_chat_template(tok):
+    _, env, trajs = play(tok)
+    t = trajs[0]
+    assert t.error is None and t.success and t.num_turns >= 2
+    s = trl_sample(t)
+    assert s["prompt_ids"] + s["completion_ids"] == t.token_ids
+    assert s["env_mask"] == t.loss_mask[len(s["prompt_ids"]):]
+    assert sum(s["env_mask"]) == t.num_model_tokens > 0
+    # the opening is the chat template's rendering of the env's system prompt and first
+    # observation, with the generation prompt
+    opening = [{"role": "system", "content": env.system_prompt},
+               {"role": "user", "content": t.turns[0].observation}]
+    assert s["prompt_ids"] == list(tok.apply_chat_template(
+        opening, add_generation_prompt=True, tokenize=True, return_dict=False))
+    # the whole conversation is the chat template's rendering of every message
+    msgs = list(opening)
+    for i, u in enumerate(t.turns):
+        msgs.append({"role": "assistant", "content": u.response.replace("<|im_end|>", "")})
+        if i + 1 < len(t.turns):
+            msgs.append({"role": "user", "content": t.turns[i + 1].observation})
+    assert tok.decode(t.token_ids) == tok.apply_chat_template(msgs, tokenize=False)
+    # the env mask covers exactly the generated text of each turn, nothing of the env's
+    generated = [tok.decode([i]) for i, k in zip(s["completion_ids"], s["env_mask"],
+                                                   strict=True) if k]
+    assert "".join(generated) == "".join(u.response for u in t.turns)
+
+
+def test_reward_is_the_runs_env_outcome(tok):
+    _, _, trajs = play(tok)
+    t = trajs[0]
+    # success, and a format penalty on the turns that were not exactly <answer>K</answer>
+    # (half of -0.1 for a lenient read), averaged over the turns
+    expected = 1.0 + t.format_penalty / t.num_turns
+    assert episode_reward(t) == pytest.approx(expected)
+    assert t.format_penalty < 0
+
+
+def test_tally_counts_as_rollart_metrics_count(tok):
+    _, _, trajs = play(tok, n=3)
+    broken = trajs[2]
+    broken.error = "step: RuntimeError: env died"  # failed episodes: counted, not their turns
+    mine = Tally().add(trajs)
+    assert mine.episodes == 3 and mine.successes == 2
+    assert mine.env_steps == sum(t.num_turns for t in trajs[:2])
+    assert mine.model_tokens == sum(sum(t.loss_mask) for t in trajs[:2])
+    row = {"iteration": 0.0, **rollout_metrics(trajs)}
+    eval_row = {"iteration": -1.0, "eval/success_rate": 0.5}  # not a training step
+    assert tally_rows([eval_row, row, row]) == Tally(6, 2 * mine.env_steps,
+                                                      2 * mine.model_tokens, 4)
+
+
+def test_cut_completion_follows_the_engines_finish_rule(tok):
+    chat = ChatFormat(tok)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids)
+
+    stop_ids = chat.encode("I guess <answer>8</answer>")
+    pad = [chat.eos_id] * 3  # what transformers appends to a row that stopped
+    assert cut_completion(stop_ids + pad, [chat.eos_id], ["</answer>"], decode, 24) == (
+        stop_ids, "stop")
+    eos = chat.encode("<answer>8") + [chat.eos_id]
+    assert cut_completion(eos + pad, [chat.eos_id], ["</answer>"], decode, 24) == (eos, "eos")
+    long = chat.encode("The number 2 The number 3 The number 4")
+    assert cut_completion(long, [chat.eos_id], ["</answer>"], decode, 5) == (long[:5], "length")
+    assert cut_completion(stop_ids, [chat.eos_id], [], decode, 24) == (stop_ids, "length")
+
+
+def test_held_out_seeds_cover_every_secret_above_the_training_range():
+    m = Match()
+    seeds = held_out_seeds(m)
+    env = GuessEnv(m.low, m.high)
+    secrets = []
+    for s in seeds:
+        env.reset(s)
+        secrets.append(env.secret)
+    assert secrets == list(range(m.low, m.high + 1))
+    assert min(seeds) >= EVAL_SEED_OFFSET
+    assert Match.from_json(m.to_json()) == m
+
+
+def _run(fw: str, seed: int, wall: float, tokens: int, steps: int, success: float) -> dict:
+    return {"framework": fw, "seed": seed, "wall_s": wall, "step_s": [wall / 4] * 4,
+            "tally": {"model_tokens": tokens, "env_steps": steps},
+            "held_out": {"success_rate": success}}
+
+
+def test_summary_ratios_and_gains():
+    from benchmarks.agentic_vs_trl import summarise
+
+    runs = [_run("trl", 0, 100.0, 1000, 100, 0.25), _run("rollart", 0, 50.0, 1000, 50, 0.5),
+            _run("trl", 1, 100.0, 1000, 100, 0.25), _run("rollart", 1, 150.0, 3000, 150, 0.25)]
+    out = summarise(runs, 0.25, [0, 1])
+    assert out["rollart_success_gain"] == pytest.approx(0.125)
+    assert out["rollart_success_gain_per_seed"] == {"0": 0.25, "1": 0.0}
+    assert out["trl_success_gain"] == 0.0
+    # pooled over seeds: rollart 4000 tokens / 200 s vs TRL 2000 / 200 s
+    assert out["tokens_per_s_ratio"] == pytest.approx(2.0)
+    assert out["tokens_per_s_ratio_per_seed"] == {"0": 2.0, "1": 2.0}
+    assert out["env_steps_per_s_ratio"] == pytest.approx(1.0)
+    assert out["step_s"]["trl"] == 25.0
+
+
+def test_rollart_overrides_pin_every_matched_setting(tmp_path):
+    from benchmarks.agentic_vs_trl import CONFIG, rollart_overrides, train_seeds
+    from rollart.config import load_config
+
+    if not CONFIG.exists():
+        pytest.skip(f"{CONFIG} not present")
+    m = Match(steps=3, groups=2, group_size=4, max_new_tokens=20, temperature=0.9, lr=1e-5)
+    overrides = rollart_overrides(m, 5, str(tmp_path), tmp_path / "artifacts", 2, "hf")
+    cfg = load_config(CONFIG, overrides)
+    assert cfg.seed == 5 and cfg.iterations == 3
+    assert (cfg.rollout.num_groups, cfg.rollout.group_size) == (2, 4)
+    assert cfg.rollout.max_staleness == 0
+    assert [t.model_dump() for t in cfg.tasks] == [guess_task(m).model_dump()]
+    assert cfg.engine.max_new_tokens == 20 and cfg.engine.temperature == 0.9
+    assert cfg.engine.stop == ["</answer>"] and cfg.engine.top_p == 1.0
+    a = cfg.algo
+    assert (a.advantage, a.loss, a.loss_agg) == ("grpo", "ppo_clip", "seq_mean_token_mean")
+    assert (a.clip_low, a.clip_high, a.kl_coef, a.entropy_coef) == (0.2, 0.2, 0.0, 0.0)
+    assert a.std_eps == m.std_eps and a.normalize_std and a.off_policy == "none"
+    assert (cfg.train.lr, cfg.train.epochs, cfg.train.micro_batch_size) == (1e-5, 1, 8)
+    assert cfg.eval.episodes == 0 and cfg.storage.save_every == 3
+    seeds = train_seeds(overrides, 3)
+    assert len(seeds) == 3 and all(len(s) == 2 for s in seeds)
+    assert max(max(s) for s in seeds) < EVAL_SEED_OFFSET  # disjoint from the held-out set
