@@ -1,5 +1,6 @@
 """Exact resume (local store, in-process loop) and the sample-id ledger."""
 
+import json
 import subprocess
 import sys
 from collections import Counter
@@ -44,12 +45,56 @@ def _ledger_of(store: RunStore, step: int) -> SampleLedger:
 
 
 # The runs of the exact-resume test, in a fresh interpreter: the checkpoint holds the process's
-# global `random` state (for env code that draws from it; rollart itself never does), and in
-# one full-suite run rng.json differed though the resume was exact: most likely a thread left
-# by an earlier test (Dask's connect backoff draws from it) drew between run A's save and run
-# B's. A resumed run is a new process.
+# global `random` and numpy states (rng.json, for env code that draws from them; rollart itself
+# never does). Any draw from them that depends on timing (a retry's jitter, a thread left by an
+# earlier test) makes a resumed run's rng.json differ from the straight run's, which this test
+# once saw on a fresh clone. So the script watches both generators from before anything else is
+# imported and reports every draw with its caller (`DRAWS`); the test asserts there are none, so
+# a new draw fails here by name instead of as a rare byte difference.
 _RUNS = """
-import sys
+import collections, json, random, sys, traceback
+import numpy as np
+DRAWS = collections.Counter()
+HERE = (random.__file__, np.random.__file__.rsplit("/", 1)[0], "<string>")
+
+def note(what):
+    caller = next((f for f in reversed(traceback.extract_stack()[:-2])
+                   if not f.filename.startswith(HERE)), None)
+    DRAWS[f"{what} at {caller.filename}:{caller.lineno}" if caller else what] += 1
+
+class Watched(random.Random):  # every draw reaches random() or getrandbits()
+    def random(self):
+        note("random.random")
+        return super().random()
+
+    def getrandbits(self, k):
+        note("random.getrandbits")
+        return super().getrandbits(k)
+
+    def seed(self, *a, **kw):
+        note("random.seed")
+        return super().seed(*a, **kw)
+
+old, new = random._inst, Watched()
+new.setstate(old.getstate())
+for name in dir(random):
+    if getattr(getattr(random, name), "__self__", None) is old:
+        setattr(random, name, getattr(new, name))
+random._inst = new
+
+def watch(name, fn):
+    def wrapped(*a, **kw):
+        note(f"numpy.random.{name}")
+        return fn(*a, **kw)
+    return wrapped
+
+for name in dir(np.random):
+    fn = getattr(np.random, name)
+    if getattr(fn, "__self__", None) is np.random.mtrand._rand and name not in (
+            "get_state", "set_state"):
+        setattr(np.random, name, watch(name, fn))
+DRAWS.clear()  # Watched() seeded itself
+
 from rollart.config import load_config
 from rollart.local_loop import run_local
 from rollart.storage.store import RunStore
@@ -63,6 +108,7 @@ b.write_shard(2, b.read_shards(1))
 b.append_jsonl("metrics.jsonl", {"iteration": 2.0, "reward/mean": 9.0})
 out = run_local(load_config(config, [*base, root, "iterations=3"]), "resumed", resume=True)
 print("resumed_from", out["resumed_from"])
+print("DRAWS", json.dumps(DRAWS))
 """
 
 
@@ -75,6 +121,8 @@ def test_resume_is_exact_and_the_ledger_has_no_duplicates_or_gaps(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed_from 2" in done.stdout
+    draws = json.loads(done.stdout.split("DRAWS ", 1)[1])
+    assert draws == {}, f"draws from the global generators that checkpoints save: {draws}"
     b = RunStore(str(tmp_path), "resumed")
 
     a = RunStore(str(tmp_path), "straight")
