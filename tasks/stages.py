@@ -32,8 +32,10 @@ _TASKS: dict[str, dict[str, Any]] = {s: {"name": s} for s in STAGE_ROLE} | {
     "checkpoint": {"name": "checkpoint", "retries": 2, "retry_delay_seconds": 2},
     "load_checkpoint_weights": {"name": "load_checkpoint"},
 }
-# `cluster.task_runner: dask`: the stage body itself is the task (shipped to its worker).
-_shipped = {s: task(**o, **_opts)(getattr(stages, s)) for s, o in _TASKS.items()}
+# `cluster.task_runner: dask`: the stage itself is the task (shipped to its worker), through
+# `run_stage` so that it runs under the run's call deadline also on a worker that joined
+# mid-run (no service there has set the deadline; the default one is 600 s).
+_shipped = {s: task(**o, **_opts)(stages.run_stage) for s, o in _TASKS.items()}
 _BULKY = frozenset({"collect", "score"})  # stages whose value carries the trajectories
 
 
@@ -125,7 +127,8 @@ class PrefectStages:
         resource = self.roles[STAGE_ROLE[stage]]
         if not self.threads:
             with dask.annotate(resources={resource: 1}):
-                return _shipped[stage].submit(*args, wait_for=list(after))
+                return _shipped[stage].submit(stage, *args, call_timeout_s=self.call_timeout_s,
+                                              wait_for=list(after))
         upstream = [a for a in (*args, *after) if isinstance(a, Flight)]
         wait_for = [f.tracker for f in upstream]
         others = [a for a in after if not isinstance(a, Flight)]  # Prefect futures
