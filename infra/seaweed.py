@@ -174,7 +174,8 @@ class SeaweedHandle:
                 if gateway is not None and gateway.poll() is not None:
                     raise RuntimeError(f"the S3 gateway exited with {gateway.returncode}; "
                                        f"see {self.log_path}")
-                if gateway is not None and self.healthy(timeout=1.0):
+                if gateway is not None and self.healthy(timeout=1.0) and writable(
+                        self.endpoint_url, self.access_key, self.secret_key, self.bucket):
                     return self
                 time.sleep(0.1)
             raise TimeoutError(f"weed mini not healthy after {timeout:.0f}s; see {self.log_path}")
@@ -300,11 +301,36 @@ def healthy(endpoint_url: str, access_key: str, secret_key: str, bucket: str,
         client.close()
 
 
+def writable(endpoint_url: str, access_key: str, secret_key: str, bucket: str,
+             timeout: float = 2.0) -> bool:
+    """An object can be written and deleted. HeadBucket answers before the master and the
+    volume server agree on a first volume: once, under heavy load, every write for 15 s after
+    start failed with "volume 1 not found" while the bucket answered."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3", endpoint_url=endpoint_url, aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key, region_name="us-east-1",
+        config=Config(connect_timeout=timeout, read_timeout=timeout,
+                      retries={"max_attempts": 1}))
+    key = ".rollart-ready"
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=b"ready")
+        client.delete_object(Bucket=bucket, Key=key)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means not ready
+        return False
+    finally:
+        client.close()
+
+
 def start_seaweed(state_dir: str | Path, bucket: str = "rollart",
                   access_key: str | None = None, secret_key: str | None = None,
                   region: str = "us-east-1", timeout: float = 30.0, host: str = "127.0.0.1",
                   launcher: list[str] | None = None) -> SeaweedHandle:
-    """Start `weed mini` with data under `state_dir/data`; returns once the bucket answers.
+    """Start `weed mini` with data under `state_dir/data`; returns once an object can be
+    written to the bucket.
     `host`/`launcher`: bind another address, run through a prefix (a network namespace)."""
     state = private_dir(Path(state_dir).absolute())
     private_dir(state / "data")
