@@ -28,7 +28,10 @@ def check_run_id(run_id: str, what: str = "run_id") -> str:
 
 class _Strict(BaseModel):
     # allow_inf_nan=False: `train.lr=.inf` or a NaN penalty is refused, never trained with.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # use_attribute_docstrings: the docstring under each field is its description (the docs'
+    # config reference is generated from them; tests/unit/test_config_descriptions.py).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 def _parse_value(text: str) -> Any:

@@ -41,12 +41,17 @@ class AdaptConfig(_Strict):
     hold a service (an actor: env host, rollout service) are never retired."""
 
     hw_class: str = "CPU"
-    minimum: int = Field(1, ge=1)  # the env hosts and the rollout service need one worker
+    """The class that scales: only the env class may (its workers hold no model)."""
+    minimum: int = Field(1, ge=1)
+    """the env hosts and the rollout service need one worker."""
     maximum: int = Field(4, ge=1)
-    # Wanted workers = the class's queued work (scheduler occupancy) / target_duration_s.
+    """Workers of the class at most."""
     target_duration_s: float = Field(5.0, gt=0.0)
-    interval_s: float = Field(1.0, gt=0.0)  # how often to decide
-    wait_count: int = Field(3, ge=1)  # consecutive "fewer" decisions before a worker goes
+    """Wanted workers = the class's queued work (scheduler occupancy) / target_duration_s."""
+    interval_s: float = Field(1.0, gt=0.0)
+    """how often to decide."""
+    wait_count: int = Field(3, ge=1)
+    """consecutive `fewer` decisions before a worker goes."""
 
     @model_validator(mode="after")
     def _bounds(self) -> AdaptConfig:
@@ -59,12 +64,18 @@ class AdaptConfig(_Strict):
 class SlurmClassConfig(_Strict):
     """One hardware class's Slurm jobs (one worker per job)."""
 
-    cores: int = Field(1, ge=1)  # --cpus-per-task, and the worker's threads
-    memory: str = "2GB"  # --mem, and the worker's memory limit
-    gres: str | None = None  # e.g. "gpu:h800:1" -> #SBATCH --gres=gpu:h800:1
-    partition: str | None = None  # None: slurm.partition
-    walltime: str | None = None  # None: slurm.walltime
-    directives: list[str] = []  # more #SBATCH lines, e.g. ["--constraint=h800", "--exclusive"]
+    cores: int = Field(1, ge=1)
+    """--cpus-per-task, and the worker's threads."""
+    memory: str = "2GB"
+    """--mem, and the worker's memory limit."""
+    gres: str | None = None
+    """e.g. "gpu:h800:1" -> #SBATCH --gres=gpu:h800:1."""
+    partition: str | None = None
+    """None: slurm.partition."""
+    walltime: str | None = None
+    """None: slurm.walltime."""
+    directives: list[str] = []
+    """more #SBATCH lines, e.g. ["--constraint=h800", `--exclusive`]."""
 
     @model_validator(mode="after")
     def _check(self) -> SlurmClassConfig:
@@ -86,18 +97,28 @@ class SlurmConfig(_Strict):
     per worker through dask-jobqueue; the workers must see this checkout at the same path and
     run `python` (the run's own interpreter by default)."""
 
-    partition: str | None = None  # -p; None: the cluster's default partition
-    account: str | None = None  # -A
+    partition: str | None = None
+    """-p; None: the cluster's default partition."""
+    account: str | None = None
+    """-A."""
     walltime: str = "04:00:00"
-    python: str | None = None  # None: the interpreter running the flow (same path on nodes)
-    interface: str | None = None  # network interface the scheduler and workers listen on
-    scheduler_host: str | None = None  # scheduler bind address; None: dask-jobqueue's default
-    # Per-class jobs; a class of `cluster.workers` not listed here gets SlurmClassConfig().
+    """Job time limit (#SBATCH --time) of every worker job unless its class sets one."""
+    python: str | None = None
+    """None: the interpreter running the flow (same path on nodes)"""
+    interface: str | None = None
+    """network interface the scheduler and workers listen on."""
+    scheduler_host: str | None = None
+    """scheduler bind address; None: dask-jobqueue's default."""
     classes: dict[str, SlurmClassConfig] = {}
-    adapt: AdaptConfig | None = AdaptConfig()  # None: fixed `workers` counts
-    join_timeout_s: float = Field(300.0, gt=0.0)  # every worker joined, or the run fails
-    log_directory: str | None = None  # job stdout/stderr; None: Slurm's default (cwd)
-    prologue: list[str] = []  # shell lines before the worker starts (module load, venv, ...)
+    """Per-class jobs; a class of `cluster.workers` not listed here gets SlurmClassConfig()."""
+    adapt: AdaptConfig | None = AdaptConfig()
+    """None: fixed `workers` counts."""
+    join_timeout_s: float = Field(300.0, gt=0.0)
+    """every worker joined, or the run fails."""
+    log_directory: str | None = None
+    """job stdout/stderr; None: Slurm's default (cwd)"""
+    prologue: list[str] = []
+    """shell lines before the worker starts (module load, venv, ...)"""
 
     @model_validator(mode="after")
     def _check(self) -> SlurmConfig:
@@ -110,21 +131,32 @@ class Toleration(_Strict):
     """A Kubernetes toleration (same fields, camelCase as in a pod spec)."""
 
     key: str | None = None
+    """Taint key the toleration matches (None with operator Exists: every taint)."""
     operator: Literal["Equal", "Exists"] = "Equal"
+    """`Equal`: the taint's value must equal `value`; `Exists`: any value."""
     value: str | None = None
+    """Taint value for operator Equal."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect the toleration matches; None: every effect."""
 
 
 class KubernetesClassConfig(_Strict):
     """One hardware class's worker group: where its pods may go and what they request."""
 
-    node_selector: dict[str, str] = {}  # e.g. {nvidia.com/gpu.product: NVIDIA-H800}
+    node_selector: dict[str, str] = {}
+    """e.g. {nvidia.com/gpu.product: NVIDIA-H800}."""
     tolerations: list[Toleration] = []
-    gpus: int = Field(0, ge=0)  # requests = limits of gpu_resource
+    """Pod tolerations of the class's workers (e.g. for GPU node taints)."""
+    gpus: int = Field(0, ge=0)
+    """requests = limits of gpu_resource."""
     gpu_resource: str = "nvidia.com/gpu"
+    """Extended resource name of the GPUs requested."""
     cpu: str = "1"
+    """CPU request (= limit) of each worker pod, in Kubernetes quantity syntax."""
     memory: str = "4Gi"
-    threads: int = Field(1, ge=1)  # worker --nthreads
+    """Memory request (= limit) of each worker pod, in Kubernetes quantity syntax."""
+    threads: int = Field(1, ge=1)
+    """worker --nthreads."""
 
     @model_validator(mode="after")
     def _check(self) -> KubernetesClassConfig:
@@ -144,17 +176,26 @@ class KubernetesConfig(_Strict):
     """`cluster.manager: kubernetes`: a DaskCluster for the dask-kubernetes operator with one
     worker group per class (`rollart k8s render` writes the manifests)."""
 
-    name: str = "rollart"  # DaskCluster name (a DNS label)
+    name: str = "rollart"
+    """DaskCluster name (a DNS label)"""
     namespace: str = "default"
-    # An image with this project installed (and its venv); the scheduler imports it too.
+    """Namespace of the DaskCluster and its pods."""
     image: str = "rollart:latest"
+    """An image with this project installed (and its venv); the scheduler imports it too."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    env: dict[str, str] = {}  # on the scheduler and every worker
+    """Image pull policy of the scheduler and worker pods."""
+    env: dict[str, str] = {}
+    """on the scheduler and every worker."""
     scheduler_cpu: str = "1"
+    """CPU request (= limit) of the scheduler pod."""
     scheduler_memory: str = "2Gi"
+    """Memory request (= limit) of the scheduler pod."""
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    classes: dict[str, KubernetesClassConfig] = {}  # missing classes: KubernetesClassConfig()
-    adapt: AdaptConfig | None = AdaptConfig()  # a DaskAutoscaler on the env class's group
+    """Kubernetes Service type of the scheduler."""
+    classes: dict[str, KubernetesClassConfig] = {}
+    """missing classes: KubernetesClassConfig()"""
+    adapt: AdaptConfig | None = AdaptConfig()
+    """a DaskAutoscaler on the env class's group."""
 
     @model_validator(mode="after")
     def _check(self) -> KubernetesConfig:
@@ -171,44 +212,49 @@ class KubernetesConfig(_Strict):
 class ClusterConfig(_Strict):
     """Where stages run (see the module docstring for `manager`)."""
 
-    # None in the input: "address" when `address` is set, else "local" (older configs).
     manager: Manager = "local"
-    address: str | None = None  # manager "address": tcp://host:8786
-    # Worker count per hardware class (local, slurm, kubernetes); each worker gets resource
-    # {class: 1}. Under an adaptive class this is the count it starts with.
+    """None in the input: `address` when `address` is set, else `local` (older configs)."""
+    address: str | None = None
+    """manager `address`: tcp://host:8786."""
     workers: dict[str, int] = Field(default_factory=default_workers)
-    # Stage -> hardware class (= Dask resource name).
+    """Worker count per hardware class (local, slurm, kubernetes); each worker gets resource {class:
+    1}. Under an adaptive class this is the count it starts with."""
     stages: dict[str, str] = Field(default_factory=default_stages)
+    """Stage -> hardware class (= Dask resource name)."""
     threads_per_worker: int = Field(1, gt=0)
+    """Threads of each Dask worker of the embedded cluster."""
     dashboard: bool = True
-    # Local cluster: TLS with mutual authentication on every Dask connection (a fresh CA per
-    # run; infra/dask_tls.py). false only to measure what it costs (benchmarks/security_overhead).
+    """Start the Dask dashboard of the embedded cluster (its address is printed in the log)."""
     tls: bool = True
-    # Deadline of every call to a service on another worker (actor call: update, sync,
-    # checkpoint, generate, env step, ...): past it the call raises CallTimeoutError naming the
-    # service and method instead of hanging the run. Generous: a policy update of a large
-    # model is one such call. Waiting for a batch (`take_batch`) has no deadline. The trainer's
-    # update, save and load are slow, not lost, while their worker still sends heartbeats:
-    # they go on past this, up to 4x it (rollart.handles `while_alive`, BUSY_FACTOR).
+    """Local cluster: TLS with mutual authentication on every Dask connection (a fresh CA per run;
+    infra/dask_tls.py). false only to measure what it costs (benchmarks/security_overhead)."""
     call_timeout_s: float = Field(600.0, gt=0.0)
-    # A lost trainer or rollout service (its worker died or hung past call_timeout_s): the run
-    # re-creates its services and resumes from the latest complete checkpoint, in the same flow
-    # run, at most this many times (rollart/recovery.py); 0: the run fails instead.
+    """Deadline of every call to a service on another worker (actor call: update, sync, checkpoint,
+    generate, env step, ...): past it the call raises CallTimeoutError naming the service and method
+    instead of hanging the run. Generous: a policy update of a large model is one such call. Waiting
+    for a batch (`take_batch`) has no deadline. The trainer's update, save and load are slow, not
+    lost, while their worker still sends heartbeats: they go on past this, up to 4x it
+    (rollart.handles `while_alive`, BUSY_FACTOR)."""
     max_restarts: int = Field(2, ge=0)
-    # How the flow runs its stage tasks (both keep every stage on a worker of its class):
-    # "threads": Prefect tasks on a thread pool in the flow process, each submitting its stage
-    #   as a raw Dask task annotated with the class (~ms of Prefect overhead per task);
-    # "dask": Prefect's DaskTaskRunner ships each task to the worker (~0.2-0.3 s per task).
+    """A lost trainer or rollout service (its worker died or hung past call_timeout_s): the run
+    re-creates its services and resumes from the latest complete checkpoint, in the same flow run,
+    at most this many times (rollart/recovery.py); 0: the run fails instead."""
     task_runner: Literal["threads", "dask"] = "threads"
-    # Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy
-    # pools; see `routing`). None: `engine.replicas` replicas on `stages.engine` (one pool).
+    """How the flow runs its stage tasks (both keep every stage on a worker of its class):
+    `threads`: Prefect tasks on a thread pool in the flow process, each submitting its stage as a
+    raw Dask task annotated with the class (~ms of Prefect overhead per task); `dask`: Prefect's
+    DaskTaskRunner ships each task to the worker (~0.2-0.3 s per task)."""
     engine_pools: dict[str, int] | None = None
-    # Local manager: CPU cores per hardware class, Linux cpu-list syntax, e.g.
-    # {H800: "1", H20: "0"}: each class's workers run on their own cores (rollart/cpu_pinning.py).
-    # None: every worker may use every core.
+    """Engine replicas per hardware class, e.g. {H800: 1, H20: 1} (prefill- and decode-heavy pools;
+    see `routing`). None: `engine.replicas` replicas on `stages.engine` (one pool)."""
     cpu_cores: dict[str, str] | None = None
+    """Local manager: CPU cores per hardware class, Linux cpu-list syntax, e.g. {H800: `1`, H20:
+    `0`}: each class's workers run on their own cores (rollart/cpu_pinning.py). None: every worker
+    may use every core."""
     slurm: SlurmConfig = SlurmConfig()
+    """Settings of manager `slurm` (dask-jobqueue, one job per worker)."""
     kubernetes: KubernetesConfig = KubernetesConfig()
+    """Settings of manager `kubernetes` (the dask-kubernetes operator)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -21,33 +21,43 @@ class RewardConfig(_Strict):
     finishes. Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID/... or a profile."""
 
     backend: Literal["local", "lambda"] = "local"
-    # backend "lambda" with no endpoint_url: the run starts the local Lambda endpoint (loopback,
-    # awslambdaric workers, scale to zero) and registers `function` under the Lambda name.
+    """`local`: the handler runs on the scoring worker in a bounded child process; `lambda`: an AWS
+    Lambda invoke per episode (real AWS, or the local endpoint)."""
     embedded_endpoint: bool = True
-    function: str = "env_outcome"  # handler name (registry) or dotted module.function path
-    function_name: str | None = None  # Lambda function name or ARN; None: `function`
-    alias: str | None = None  # Lambda qualifier: alias name or version number
-    endpoint_url: str | None = None  # None: real AWS; http://127.0.0.1:PORT: local endpoint
+    """backend `lambda` with no endpoint_url: the run starts the local Lambda endpoint (loopback,
+    awslambdaric workers, scale to zero) and registers `function` under the Lambda name."""
+    function: str = "env_outcome"
+    """handler name (registry) or dotted module.function path."""
+    function_name: str | None = None
+    """Lambda function name or ARN; None: `function`."""
+    alias: str | None = None
+    """Lambda qualifier: alias name or version number."""
+    endpoint_url: str | None = None
+    """None: real AWS; http://127.0.0.1:PORT: local endpoint."""
     region: str = "us-east-1"
-    max_concurrency: int = Field(32, ge=1, le=1000)  # invocations in flight from this client
-    # Per call, wherever the handler runs: `local` kills its process past it (a hard timeout
-    # that works off the main thread); the embedded endpoint uses it as the function timeout;
-    # a Lambda client as its socket read timeout.
+    """AWS region of the Lambda function."""
+    max_concurrency: int = Field(32, ge=1, le=1000)
+    """invocations in flight from this client."""
     timeout_s: float = Field(60.0, gt=0.0, le=900.0)
-    # Memory cap of a handler's process (MiB): `local` handler processes and the embedded
-    # endpoint's function; past it the call fails like any handler error (`on_error`).
+    """Per call, wherever the handler runs: `local` kills its process past it (a hard timeout that
+    works off the main thread); the embedded endpoint uses it as the function timeout; a Lambda
+    client as its socket read timeout."""
     memory_mb: int = Field(2048, ge=128, le=10240)
-    # Transient failures (throttles, 5xx, timeouts, endpoint down or restarting) are retried
-    # for this long per episode, so an endpoint restart or a throttling burst costs latency,
-    # not the run; past it the episode's reward fails with RewardError.
+    """Memory cap of a handler's process (MiB): `local` handler processes and the embedded
+    endpoint's function; past it the call fails like any handler error (`on_error`)."""
     retry_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
-    max_retries: int = Field(5, ge=0, le=50)  # per episode, for handler errors (on_error=retry)
-    # A handler error (FunctionError; locally also a timeout, memory or crash): retry (then
-    # fail), score 0 and flag it, or fail the run.
+    """Transient failures (throttles, 5xx, timeouts, endpoint down or restarting) are retried for
+    this long per episode, so an endpoint restart or a throttling burst costs latency, not the run;
+    past it the episode's reward fails with RewardError."""
+    max_retries: int = Field(5, ge=0, le=50)
+    """per episode, for handler errors (on_error=retry)"""
     on_error: Literal["retry", "zero", "fail"] = "retry"
-    backoff_base_s: float = Field(0.05, gt=0.0)  # jittered exponential backoff: base ...
-    # ... and cap: a few seconds, so a restarted endpoint is noticed soon after it is back.
+    """A handler error (FunctionError; locally also a timeout, memory or crash): retry (then fail),
+    score 0 and flag it, or fail the run."""
+    backoff_base_s: float = Field(0.05, gt=0.0)
+    """jittered exponential backoff: base ..."""
     backoff_max_s: float = Field(2.0, gt=0.0)
+    """... and cap: a few seconds, so a restarted endpoint is noticed soon after it is back."""
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:
@@ -97,27 +107,40 @@ class StorageConfig(_Strict):
     or a prefect-aws AwsCredentials block of that name.
     """
 
-    root: str = "artifacts"  # local path or fsspec URL (file://..., s3://bucket/prefix)
-    save_every: int = Field(5, gt=0)  # checkpoint every N iterations (and after the last)
-    keep_last: int = Field(2, gt=0)  # retention: complete checkpoints kept
-    shards: bool = True  # write trajectory shards (Parquet), off the critical path
-    background_upload: bool = True  # upload checkpoints in the background (False: block)
-    # S3 only. endpoint_url None: AWS (or AWS_ENDPOINT_URL_S3 from the environment).
+    root: str = "artifacts"
+    """local path or fsspec URL (file://..., s3://bucket/prefix)"""
+    save_every: int = Field(5, gt=0)
+    """checkpoint every N iterations (and after the last)"""
+    keep_last: int = Field(2, gt=0)
+    """retention: complete checkpoints kept."""
+    shards: bool = True
+    """write trajectory shards (Parquet), off the critical path."""
+    background_upload: bool = True
+    """upload checkpoints in the background (False: block)"""
     endpoint_url: str | None = None
-    region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / profile, else us-east-1
-    profile: str | None = None  # AWS shared-credentials profile name
-    credentials_block: str | None = None  # Prefect Secret block name (the name, never the key)
-    create_bucket: bool = False  # create the bucket at start when it does not exist
-    retry_timeout_s: float = Field(120.0, gt=0.0)  # keep retrying transient errors this long
-    # Object stores: the run's writer lock (runs/{id}/run.lock) is refreshed every third of
-    # this and counts as its holder's death (stale) once older; local stores use flock instead.
+    """S3 only. endpoint_url None: AWS (or AWS_ENDPOINT_URL_S3 from the environment)."""
+    region: str | None = None
+    """None: AWS_REGION / AWS_DEFAULT_REGION / profile, else us-east-1."""
+    profile: str | None = None
+    """AWS shared-credentials profile name."""
+    credentials_block: str | None = None
+    """Prefect Secret block name (the name, never the key)"""
+    create_bucket: bool = False
+    """create the bucket at start when it does not exist."""
+    retry_timeout_s: float = Field(120.0, gt=0.0)
+    """keep retrying transient errors this long."""
     lock_ttl_s: float = Field(60.0, ge=5.0)
-    # Weight versions in the store (weights/v{n}/): publish every N versions (0: never) in the
-    # background; `sync_via_store` makes engines pull each version from the store instead of
-    # the direct trainer -> engine transfer (engines on another cluster).
+    """Object stores: the run's writer lock (runs/{id}/run.lock) is refreshed every third of this
+    and counts as its holder's death (stale) once older; local stores use flock instead."""
     weights_every: int = Field(0, ge=0)
+    """Weight versions in the store (weights/v{n}/): publish every N versions (0: never) in the
+    background; `sync_via_store` makes engines pull each version from the store instead of the
+    direct trainer -> engine transfer (engines on another cluster)."""
     weights_keep_last: int = Field(2, gt=0)
+    """Weight versions kept under weights/ when weights_every is set."""
     sync_via_store: bool = False
+    """Engines pull each new weight version from the store instead of receiving it from the trainer
+    directly."""
 
     @model_validator(mode="after")
     def _check(self) -> StorageConfig:
@@ -158,7 +181,9 @@ class SlowdownConfig(_Strict):
     measured host time (>= 1; emulation can only slow a replica down)."""
 
     prefill: float = Field(1.0, ge=1.0)
+    """Factor on the measured prefill time (>= 1)."""
     decode: float = Field(1.0, ge=1.0)
+    """Factor on the measured decode time (>= 1)."""
 
 
 class EmulationConfig(_Strict):
@@ -169,14 +194,21 @@ class EmulationConfig(_Strict):
     `forward: false`. mode `slowdown` (legacy): sleep (factor - 1) x the measured pass time."""
 
     enabled: bool = False
+    """Emulate the pools' hardware classes on one host (benchmarks only; HF engine)."""
     mode: Literal["modelled", "slowdown"] = "modelled"
-    model_params: float | None = Field(None, gt=0.0)  # modelled model size; None: the served one
-    bytes_per_param: float = Field(2.0, gt=0.0)  # modelled weights (bf16)
-    time_scale: float = Field(1.0, gt=0.0)  # wall seconds per modelled second
-    forward: bool = True  # run the real forward pass (real tokens and log-probs)
-    # slowdown mode: explicit factors per class; classes not listed get factors derived from
-    # `hardware` (rollart.routing.catalog.emulation_slowdowns: fastest class per phase = 1).
+    """`modelled`: each pass takes the cost model's time for the class; `slowdown`: sleep (factor -
+    1) x the measured pass time."""
+    model_params: float | None = Field(None, gt=0.0)
+    """modelled model size; None: the served one."""
+    bytes_per_param: float = Field(2.0, gt=0.0)
+    """modelled weights (bf16)"""
+    time_scale: float = Field(1.0, gt=0.0)
+    """wall seconds per modelled second."""
+    forward: bool = True
+    """run the real forward pass (real tokens and log-probs)"""
     factors: dict[str, SlowdownConfig] = {}
+    """slowdown mode: explicit factors per class; classes not listed get factors derived from
+    `hardware` (rollart.routing.catalog.emulation_slowdowns: fastest class per phase = 1)."""
 
     @model_validator(mode="after")
     def _check(self) -> EmulationConfig:
@@ -189,17 +221,25 @@ class RoutingConfig(_Strict):
     """How generation requests are mapped to engine replicas (rollart.routing.router)."""
 
     policy: Literal["affinity", "round_robin", "least_loaded"] = "affinity"
-    # Keep an episode on its replica across turns (prefix-cache reuse) unless that replica's
-    # estimated wait exceeds the smallest wait by more than imbalance_threshold_s.
+    """`affinity`: place each turn where its estimated cost is lowest (prefill-heavy turns on
+    compute-class pools, decode-heavy on bandwidth-class); `round_robin`; `least_loaded`."""
     sticky: bool = True
+    """Keep an episode on its replica across turns (prefix-cache reuse) unless that replica's
+    estimated wait exceeds the smallest wait by more than imbalance_threshold_s."""
     imbalance_threshold_s: float = Field(1.0, ge=0.0)
-    prefix_cache: bool | None = None  # engines reuse cached prefixes; None: from engine.backend
-    decode_batch: int = Field(8, gt=0)  # rows sharing one weight read per decode step (cost model)
-    profile_alpha: float = Field(0.2, gt=0.0, le=1.0)  # EMA weight of task profiles
-    # Online correction: how far one replica's estimates may move relative to the others' (see
-    # rollart.routing.router); None: derived from the pools' classes (H800 + H20: 1.045).
+    """A sticky episode moves off its replica once that replica's estimated wait exceeds the
+    smallest by more than this."""
+    prefix_cache: bool | None = None
+    """engines reuse cached prefixes; None: from engine.backend."""
+    decode_batch: int = Field(8, gt=0)
+    """rows sharing one weight read per decode step (cost model)"""
+    profile_alpha: float = Field(0.2, gt=0.0, le=1.0)
+    """EMA weight of task profiles."""
     correction_bound: float | None = Field(None, ge=1.0)
+    """Online correction: how far one replica's estimates may move relative to the others' (see
+    rollart.routing.router); None: derived from the pools' classes (H800 + H20: 1.045)."""
     emulation: EmulationConfig = EmulationConfig()
+    """Emulated heterogeneity for benchmarks on one host."""
 
 
 class LatencyConfig(_Strict):
@@ -208,10 +248,15 @@ class LatencyConfig(_Strict):
     for tail_s x Pareto(tail_alpha) (>= tail_s, mean tail_s * a / (a - 1))."""
 
     median_s: float = Field(0.0, ge=0.0)
+    """Median of the lognormal step latency, seconds (0: no latency)."""
     sigma: float = Field(0.5, ge=0.0)
+    """Lognormal shape of the step latency."""
     tail_prob: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that a step also stalls (the heavy tail)."""
     tail_s: float = Field(0.0, ge=0.0)
+    """Scale of a stall, seconds: a stall lasts tail_s x Pareto(tail_alpha)."""
     tail_alpha: float = Field(2.0, gt=1.0)
+    """Pareto shape of the stalls (> 1; smaller is heavier)."""
 
     def sample(self, rng: random.Random) -> float:
         """One step's delay in seconds. LatencyEnv sleeps it; the simulator (rollart/sim) adds
@@ -227,5 +272,8 @@ class FaultConfig(_Strict):
     `hang_at_step`-th step a worker process runs for this task hangs for `hang_s` seconds."""
 
     step_error_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    """Probability that an env step raises."""
     hang_at_step: int | None = Field(None, gt=0)
+    """The step (counted per task in each worker process) that hangs; None: no hang."""
     hang_s: float = Field(3600.0, gt=0.0)
+    """How long the hanging step hangs, seconds."""

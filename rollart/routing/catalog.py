@@ -35,15 +35,25 @@ from pydantic import BaseModel, ConfigDict, Field
 class HardwareClass(BaseModel):
     """One hardware class. Units are the ones spec sheets use: TFLOP/s, GB/s, GB."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # finite figures
+    # allow_inf_nan=False: finite figures. use_attribute_docstrings: the docstring under each
+    # field is its description (the docs' config reference is generated from them).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
     name: str
+    """Class name, e.g. H800 (also the Dask resource workers of the class carry)."""
     kind: Literal["gpu", "cpu"] = "gpu"
-    resource: str | None = None  # Dask resource name; None: the class name
-    peak_tflops: float = Field(gt=0.0)  # dense bf16 (fp32 for CPUs)
-    mem_bw_gbs: float = Field(gt=0.0)  # memory bandwidth, GB/s
+    """Device kind."""
+    resource: str | None = None
+    """Dask resource name; None: the class name."""
+    peak_tflops: float = Field(gt=0.0)
+    """Peak dense TFLOP/s, bf16 (fp32 for CPUs)."""
+    mem_bw_gbs: float = Field(gt=0.0)
+    """Memory bandwidth, GB/s."""
     memory_gb: float = Field(gt=0.0)
-    relative_cost: float = Field(1.0, gt=0.0)  # per device-hour, H800 = 1
+    """Device memory, GB."""
+    relative_cost: float = Field(1.0, gt=0.0)
+    """Cost per device-hour, H800 = 1."""
 
     @property
     def dask_resource(self) -> str:
