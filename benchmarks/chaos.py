@@ -12,17 +12,21 @@ of its class, as a cluster manager would bring it back): H800 x1 (trainer), H20 
 replicas), CPU x2 (env hosts; the rollout service on one). Rewards through the local Lambda
 endpoint (its own process), the store on SeaweedFS (`weed mini`, S3), each behind a loopback
 forwarder that records when the run's calls reached it or not (benchmarks/chaos_services.py).
-The chaos schedule, by iterations done:
+The chaos schedule spreads the faults over the whole run, most of them after learning has begun
+(the clean run's greedy evaluation above 0 by iteration ~10-16 of this config): each is due once
+the run has done the given fraction of its iterations (N = --iterations):
 
-  lambda   after iteration 0: the endpoint stopped (SIGTERM) and started again on its port
-  s3       after iteration 1: `weed mini` stopped and started again (same ports and data)
-  trainer  kill -9 of the trainer worker once checkpoint 2 exists and iteration 2 is done
-  rollout  kill -9 of the worker holding the rollout service once checkpoint 4 exists
-  hang     once the run is past that restart: SIGSTOP of the worker of engine replica 1;
-           SIGCONT once the run has marked it lost (a call past cluster.call_timeout_s; at
-           most 3 min)
-  engine   once replica 1 is back and an iteration is done: kill -9 of replica 0's worker
-  env      an iteration later: kill -9 of the env-host worker not holding the rollout service
+  lambda   0.05 N: the endpoint stopped (SIGTERM) and started again on its port
+  s3       0.12 N: `weed mini` stopped and started again (same ports and data)
+  trainer  0.25 N: kill -9 of the trainer worker (once a checkpoint at or past 0.2 N exists)
+  rollout  0.40 N: kill -9 of the worker holding the rollout service (its memory is gone:
+           every service restarts from the last checkpoint)
+  crash    0.50 N: the rollout service's own threads end (an exception raised in them, as a
+           bug would) while its worker lives: the run hands its live state to a replacement
+  hang     0.60 N: SIGSTOP of the worker of engine replica 1; SIGCONT once the run has marked
+           it lost (a call past cluster.call_timeout_s; at most 3 min)
+  engine   0.72 N, and replica 1 back: kill -9 of replica 0's worker
+  env      0.85 N: kill -9 of the env-host worker not holding the rollout service
 
 `--scenario trainer_rank`: the same config with a sharded trainer (train.world_size 2, H800 x2)
 and one fault: kill -9 of the worker holding trainer rank 1 once checkpoint 2 exists and
@@ -36,7 +40,7 @@ replica back in rotation, an iteration past the one the run had reached done), e
 Learning figures and gaps: benchmarks/chaos_figures.py. Writes results/chaos.json and prints
 one summary line.
 
-    python benchmarks/chaos.py --seeds 0 1          (~12 min per pair on 2 cores)
+    python benchmarks/chaos.py --iterations 40 --seeds 0 1 2   (~10 min per pair, 2 cores)
     python benchmarks/chaos.py --seeds 1 --merge    (one pair; keeps the other seeds' pairs)
     python benchmarks/chaos.py --scenario trainer_rank --iterations 8 --seeds 0 \
         --out results/chaos_trainer_rank.json
@@ -82,8 +86,36 @@ WORKERS = {"H800": 1, "H20": 2, "CPU": 2}
 SCENARIOS = {"services": (WORKERS, []),
              "trainer_rank": ({**WORKERS, "H800": 2}, ["train.world_size=2",
                                                        "cluster.workers.H800=2"])}
+# fault -> fraction of the run's iterations done when it is due (the module's doc)
+SCHEDULE = {"lambda": 0.05, "s3": 0.12, "trainer": 0.25, "rollout": 0.40, "crash": 0.50,
+            "hang": 0.60, "engine": 0.72, "env": 0.85}
 CALL_TIMEOUT_S = 60  # a policy update takes ~35 s on a busy 2-core host: keep it generous
 GAP_LIMIT = 0.1  # issue 15's must-show: reward_gap <= 0.1
+
+
+def rollout_generation(key: str, run_id: str) -> tuple[int, int]:
+    """`rollout-<run>-<attempt>[-g<n>]` -> (attempt, n): the newest rollout service sorts last
+    (a restart from the checkpoint bumps the attempt, a live rebuild the generation)."""
+    parts = key.removeprefix(f"rollout-{run_id}-").split("-")
+    gen = next((int(p[1:]) for p in parts[1:] if p.startswith("g") and p[1:].isdigit()), 1)
+    return int(parts[0]), gen
+
+
+def end_rollout_threads() -> list[str]:
+    """On the rollout service's worker (client.run): raise SystemExit in each of the service's
+    own threads (batchers, watchdog, or the asyncio runner's loop), so they end as an uncaught
+    error would end them; the worker process and the service's state live on."""
+    import ctypes
+
+    names = ("rollout-batcher", "rollout-watch", "rollout-loop")
+    ended = []
+    for t in threading.enumerate():
+        if t.name in names and t.ident is not None and t.is_alive():
+            n = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
+                                                           ctypes.py_object(SystemExit))
+            if n == 1:
+                ended.append(t.name)
+    return ended
 
 
 def overrides(iterations: int, seed: int, s3_url: str, lambda_url: str) -> list[str]:
@@ -106,11 +138,12 @@ class Chaos:
 
     def __init__(self, run_id: str, client: Any, store: Any, rows: Rows, s3: Any,
                  s3_watch: Watch, endpoint: Endpoint, lambda_watch: Watch,
-                 scenario: str = "services") -> None:
+                 scenario: str = "services", iterations: int = 40) -> None:
         self.run_id, self.client, self.store, self.rows = run_id, client, store, rows
         self.scenario = scenario
         self.s3, self.s3_watch, self.endpoint, self.lambda_watch = s3, s3_watch, endpoint, \
             lambda_watch
+        self.iterations = iterations
         self.faults: list[dict[str, Any]] = []
         self.error: str | None = None
         self.stopped: int | None = None  # pid under SIGSTOP
@@ -131,6 +164,15 @@ class Chaos:
         except Exception:
             return False
 
+    def checkpoint_from(self, step: int) -> bool:
+        """A checkpoint at or past `step` exists (a kill then costs at most the iterations
+        since it)."""
+        try:
+            self.store.fs.invalidate_cache()
+            return max(self.store.list_checkpoints(), default=-1) >= step
+        except Exception:
+            return False
+
     def engines(self) -> dict[int, str]:
         """Replica index -> worker, for the current attempt's engines."""
         out: dict[int, tuple[int, str]] = {}
@@ -145,7 +187,7 @@ class Chaos:
         """The rollout service's lost replicas, asked on its worker."""
         try:  # a worker may be going away while we ask: ask again next time
             for worker, keys in holders(self.client, "rollout-", skip=skip).items():
-                key = max(keys, key=lambda k: int(k.rsplit("-", 1)[1]))
+                key = max(keys, key=lambda k: rollout_generation(k, self.run_id))
                 return list(self.client.run(
                     lambda dask_worker, k=key: dask_worker.state.actors[k].lost_engines(),
                     workers=[worker])[worker])
@@ -193,19 +235,24 @@ class Chaos:
                      if any(k.endswith("-r1") for k in keys)]
             self.kill("trainer_rank_kill", rank1[0], rank=1)
             return
-        self.wait(lambda: rows.reached() >= 0)
+        due = {k: max(0, round(f * self.iterations) - 1) for k, f in SCHEDULE.items()}
+        self.wait(lambda: rows.reached() >= due["lambda"])
         self.restart("lambda_restart", self.endpoint.stop, self.endpoint.start,
                      self.lambda_watch)
-        self.wait(lambda: rows.reached() >= 1)
+        self.wait(lambda: rows.reached() >= due["s3"])
         self.restart("s3_restart", self.s3.stop, self.s3.start, self.s3_watch)
-        self.wait(lambda: rows.reached() >= 2 and self.checkpoint(2))
+        self.wait(lambda: rows.reached() >= due["trainer"]
+                  and self.checkpoint_from(round(0.2 * self.iterations)))
         self.kill("trainer_kill", next(iter(holders(self.client, "trainer-"))))
         t = self.faults[-1]["injected_at"]
-        self.wait(lambda: rows.past(t) is not None and self.checkpoint(4) and rows.reached() >= 4)
-        rollout = next(iter(holders(self.client, "rollout-")))
-        self.kill("rollout_service_kill", rollout)
+        self.wait(lambda: rows.past(t) is not None and rows.reached() >= due["rollout"]
+                  and self.checkpoint_from(round(0.35 * self.iterations)))
+        self.kill("rollout_service_kill", next(iter(holders(self.client, "rollout-"))))
         t = self.faults[-1]["injected_at"]
-        self.wait(lambda: rows.past(t) is not None)
+        self.wait(lambda: rows.past(t) is not None and rows.reached() >= due["crash"])
+        self.crash_rollout()
+        t = self.faults[-1]["injected_at"]
+        self.wait(lambda: rows.past(t) is not None and rows.reached() >= due["hang"])
         worker = self.engines()[1]
         pid = worker_pid(self.client, worker)
         t0 = time.time()
@@ -222,13 +269,20 @@ class Chaos:
         hang["stopped_s"] = round(time.time() - t0, 1)
         t_w = time.monotonic()  # probed back into rotation (or 3 min), and a row
         self.wait(lambda: (1 not in self.lost_engines() or time.monotonic() - t_w > 180)
-                  and rows.after(t0 + hang["stopped_s"]) >= 1)
+                  and rows.after(t0 + hang["stopped_s"]) >= 1 and rows.reached() >= due["engine"])
         self.kill("engine_kill", self.engines()[0], replica=0)
         t = self.faults[-1]["injected_at"]
-        self.wait(lambda: rows.after(t) >= 1)
+        self.wait(lambda: rows.after(t) >= 1 and rows.reached() >= due["env"])
         rollout = set(holders(self.client, "rollout-"))
         env = [w for w in holders(self.client, "env-host-") if w not in rollout]
         self.kill("env_host_kill", env[0])
+
+    def crash_rollout(self) -> None:
+        """End the rollout service's own threads on its (living) worker."""
+        [(worker, _)] = list(holders(self.client, "rollout-").items())
+        t0 = time.time()
+        ended = self.client.run(end_rollout_threads, workers=[worker])[worker]
+        self.record("rollout_service_crash", t0, worker=worker, threads=ended)
 
 
 def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
@@ -257,7 +311,7 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
             Client(cluster.scheduler_address) as client:
         if chaos:
             injector = Chaos(run_id, client, store, rows, s3, watches["s3"], endpoint,
-                             watches["lambda"], scenario)
+                             watches["lambda"], scenario, cfg.iterations)
             thread = threading.Thread(target=injector.run, daemon=True)
             thread.start()
         try:
@@ -306,6 +360,9 @@ def run_pair(seed: int, iterations: int, commit: str, s3: Any, watches: dict[str
     clean = one_run(f"clean-s{seed}", ov, s3, watches, endpoint, False, scenario)
     chaos = one_run(f"chaos-s{seed}", ov, s3, watches, endpoint, True, scenario)
     faults = [{"seed": seed, **f} for f in chaos.get("faults", [])]
+    first = clean.get("first_success")  # the clean run's: where learning began
+    for f in faults:
+        f["after_first_success"] = first is not None and f["at_iteration"] > first
     return {
         "seed": seed, "commit": commit, "overrides": ov, "wall_s": round(time.time() - t0),
         "completed": bool(clean["completed"] and chaos["completed"]),
@@ -338,6 +395,13 @@ def summarise(pairs: list[dict[str, Any]], command: str,
         "unaccounted": sum(p["unaccounted"] or 0 for p in pairs),
         "ledger_ok": bool(pairs) and all(p["ledger_ok"] for p in pairs),
         "fault_kinds": sorted({f["kind"] for f in faults}),
+        "faults_n": len(faults),
+        "faults_after_first_success": sum(bool(f.get("after_first_success")) for f in faults),
+        "first_success_is": ("the clean run's first iteration whose greedy evaluation solved "
+                             "any episode; a fault after it hit a run that was learning"),
+        "first_success": [p["clean"].get("first_success") for p in pairs],
+        "rollout_crash_recovered_s": [f.get("recovered_s") for f in faults
+                                      if f["kind"] == "rollout_service_crash"],
         "all_recovered": bool(faults) and all(f["recovered"] for f in faults),
         "faults": faults,
         "reward_gap": gap,
@@ -359,7 +423,7 @@ def summarise(pairs: list[dict[str, Any]], command: str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
                     help="one pair (clean + chaos run) per seed")
     ap.add_argument("--merge", action="store_true",

@@ -80,6 +80,20 @@ def fault_figures(f: dict[str, Any], out: dict[str, Any], rows: Rows,
         e["recovered_s"] = _s(back[0]["t"], t0) if back else None
         e["how"] = back[0]["how"] if back else None
         e["episodes_lost"] = drops.get("engine_error", 0)
+    elif kind == "rollout_service_crash":  # rebuilt from its live state (else restarted)
+        rb = [x for x in r.get("rebuilt", []) if x["failed_at"] >= t0]
+        rs = [x for x in out.get("restarts", []) if x["failed_at"] >= t0]
+        if rb:
+            e.update(detected_s=_s(rb[0]["failed_at"], t0), recovered_s=_s(rb[0]["rebuilt_at"], t0),
+                     how="live state", restored=rb[0]["restored"],
+                     episodes_interrupted=rb[0]["restored"].get("interrupted", 0))
+        else:
+            e.update(detected_s=_s(rs[0]["failed_at"], t0) if rs else None,
+                     recovered_s=rows.past(t0) and round(rows.past(t0), 1),
+                     how="checkpoint" if rs else None)
+        e["run_past_it_s"] = rows.past(t0) and round(rows.past(t0), 1)
+        # members running at the crash are dropped as interrupted and re-issued (new ids)
+        e["episodes_lost"] = e.get("episodes_interrupted", 0)
     else:  # env host
         ev = [x["t"] for x in r.get("host_events", []) if x["t"] >= t0]
         e["detected_s"] = _s(ev[0], t0) if ev else None
@@ -101,6 +115,8 @@ def learning(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "eval_curve": [[i, round(e, 3)] for i, e in evals],
         "final_eval": evals[-1][1] if evals else None,
         "first_solved": next((i for i, e in evals if e >= SOLVED), None),
+        # learning has begun: the first greedy evaluation that solved any episode
+        "first_success": next((i for i, e in evals if e > 0), None),
     }
     if len(metrics) >= LAST_ITERATIONS:
         last = metrics[-LAST_ITERATIONS:]

@@ -62,6 +62,7 @@ class DaskServices:
         self.attempt = 0  # a fresh set of actor keys per (re)start of the run's services
         self.engine_addr: dict[int, str] = {}  # replica index -> its worker
         self.replacements = 0
+        self.rollouts = 0  # rollout services built: a replacement (a rebuild) gets a new key
         self.building: dict[int, tuple[Any, str]] = {}  # replica index -> (actor future, worker)
         self.trainer_workers: list[str] = []  # a sharded trainer's ranks' workers, by rank
 
@@ -198,10 +199,12 @@ class DaskServices:
         refs = [(h.key, self.placed("env_host", call(h, "stats"))["address"]) for h in hosts]
         engine_refs = [self.engine_ref(e) for e in engines]
         n, workers = self.run.cfg.rollout.shards, self.classes[self.roles["env"]]
+        self.rollouts += 1
         if n == 1:
+            again = f"-g{self.rollouts}" if self.rollouts > 1 else ""
             return self.client.submit(
                 RolloutServiceActor, self.run, engine_refs, refs, version, actor=True,
-                workers=[workers[0]], key=f"rollout-{self.run.run_id}-{self.attempt}",
+                workers=[workers[0]], key=f"rollout-{self.run.run_id}-{self.attempt}{again}",
             ).result()
         futures = [self.client.submit(
             RolloutServiceActor, self.run, engine_refs, refs, version, (k, n), actor=True,

@@ -27,7 +27,7 @@ from rollart import stages
 from rollart.config import RunConfig
 from rollart.handles import call, release, set_call_timeout
 from rollart.metric_sinks import make_sinks
-from rollart.recovery import EngineSupervisor
+from rollart.recovery import EngineSupervisor, rebuild_rollout
 from rollart.run import RunSpec
 from rollart.spans import SPAN, busy_seconds, info_of
 
@@ -181,6 +181,7 @@ class IterationDriver:
         self.svc: Services | None = None
         self.restored: dict[str, Any] | None = None
         self.supervisor: EngineSupervisor | None = None
+        self.rollout_rebuilds: list[dict[str, Any]] = []  # rollout services rebuilt live
         self.t_start = time.perf_counter()
 
     # ---- start ---------------------------------------------------------------------------
@@ -223,6 +224,19 @@ class IterationDriver:
 
     # ---- one iteration -------------------------------------------------------------------
     def iteration(self, it: int) -> IterationResult:
+        """Iteration `it`; a rollout service that broke while its worker lives is rebuilt
+        from its live state and the iteration run again (its collect failed: nothing after
+        it ran), once; anything else goes to the caller (run_with_restarts)."""
+        try:
+            return self._iteration(it)
+        except Exception as err:
+            event = rebuild_rollout(self, err, it, min(self.cfg.cluster.call_timeout_s, 30.0))
+            if event is None:
+                raise
+            self.rollout_rebuilds.append(event)
+            return self._iteration(it)
+
+    def _iteration(self, it: int) -> IterationResult:
         assert self.svc is not None, "start() first"
         sv, run, submit, placed = self.svc, self.run, self.runner.submit, self.placed
         plan = plan_step(self.cfg, it, self.eval_every)
@@ -320,6 +334,7 @@ class IterationDriver:
         self._stop_supervisor()
         rollout_stats = call(sv.rollout, "stop")
         rollout_stats["engines_revived"] = self.supervisor.events if self.supervisor else []
+        rollout_stats["rebuilt"] = self.rollout_rebuilds
         rollout_stats["env_hosts"] = self.factory.host_stats(sv.hosts)
         # Waits for uploads as long as they take (each store operation has its own retry
         # budget, storage.retry_timeout_s): a large checkpoint may outlast any call deadline.

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from rollart.handles import call, release
 from rollart.rollout.failover import is_replica_loss
+from rollart.rollout.service_failures import RolloutBroken
 
 log = logging.getLogger("rollart")
 
@@ -125,16 +126,70 @@ class EngineSupervisor:
         return True
 
 
+# ---- a broken rollout service whose process lives: its live state into a replacement ------
+
+def rollout_broken(err: BaseException) -> bool:
+    """Whether `err` (or an error it was raised from) says the rollout service is broken
+    (`RolloutBroken`; by its text too: a task runner may re-raise it as another type)."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RolloutBroken) or "rollout service broken:" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def rebuild_rollout(driver: Any, err: BaseException, iteration: int,
+                    probe_timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """The rollout service broke while its worker (and so its memory) lives: a replacement
+    on a worker of its class receives the old one's live state (`handover`: the finished
+    members of unconsumed groups, drops not yet handed on; running members are dropped as
+    interrupted and re-issued, as on resume) and serves from `iteration` on, with the same
+    engines, env hosts and trainer: nothing is reloaded from a checkpoint. Returns the event,
+    or None when this cannot be done (another failure, a sharded service, the old one's
+    worker gone: the caller falls back to a restart from the checkpoint)."""
+    svc = driver.svc
+    if svc is None or driver.cfg.rollout.shards != 1 or not rollout_broken(err):
+        return None
+    t0 = time.time()
+    old = svc.rollout
+    try:
+        state, pending = call(old, "handover", timeout=probe_timeout_s)
+    except Exception as gone:  # its worker went too: the checkpoint path
+        log.warning("rollout service broken and its state unreachable (%s): restart from "
+                    "the checkpoint", gone)
+        return None
+    new = driver.factory.rollout(svc.engines, svc.hosts, iteration)
+    restored = call(new, "restore_state", state, pending) if state is not None else {}
+    driver.placed("rollout_service", call(new, "start") or {})
+    svc.rollout = new
+    if driver.supervisor is not None:
+        driver.supervisor.rollout = new
+    release(old)
+    event = {"iteration": iteration, "error": f"{type(err).__name__}: {err}"[:300],
+             "failed_at": t0, "rebuilt_at": time.time(), "rebuild_s": time.time() - t0,
+             "restored": restored, "pending_handed_over": len(pending)}
+    log.warning("rollout service broken (%s); rebuilt from its live state in %.1f s "
+                "(%s)", err, event["rebuild_s"], restored or "nothing pending")
+    return event
+
+
 # ---- losing a stateful service: restart the run's services from the latest checkpoint ------
 
-def lost_service(driver: Any, probe_timeout_s: float = 10.0) -> str | None:
+def lost_service(driver: Any, probe_timeout_s: float = 10.0,
+                 err: BaseException | None = None) -> str | None:
     """After a failure: which stateful service no longer answers ("trainer", "rollout
-    service"), or None (they answer: the failure was something else, not retried here). A
-    service still busy with the call that timed out answers only after it (an actor runs one
-    call at a time), so the probe waits as long as a call may take."""
+    service") or is broken (`err` says so and its state could not be handed over), or None
+    (they answer: the failure was something else, not retried here). A service still busy
+    with the call that timed out answers only after it (an actor runs one call at a time),
+    so the probe waits as long as a call may take."""
     svc = driver.svc
     if svc is None:
         return None
+    if err is not None and rollout_broken(err):
+        return "rollout service"
     for name, handle, method in (("trainer", svc.trainer, "where"),
                                  ("rollout service", svc.rollout, "stats")):
         try:
@@ -171,7 +226,7 @@ def run_with_restarts(make_driver: Callable[[int], Any], store: Any, max_restart
             return driver, curve, driver.finish(), restarts
         except Exception as err:
             t_fail = time.time()
-            lost = lost_service(driver, probe_timeout_s)
+            lost = lost_service(driver, probe_timeout_s, err)
             driver.abort()
             if lost is None:
                 raise

@@ -41,7 +41,7 @@ from rollart.rollout.failover import EngineHealth
 from rollart.rollout.pacing import StartPacer
 from rollart.rollout.plan import plan_namer
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
-from rollart.rollout.service_failures import ReplicaFailures
+from rollart.rollout.service_failures import ReplicaFailures, RolloutBroken
 from rollart.rollout.service_metrics import service_metrics
 from rollart.rollout.shards import shard_namer, shard_quota
 from rollart.rollout.thread_runner import run_episode
@@ -122,6 +122,7 @@ class RolloutService(ReplicaFailures):
         self._launched: dict[str, int] = {}  # episode id -> launch sequence number
         self._taken: tuple[int, Any] | None = None  # the last batch handed out, by update
         self.stopping = False
+        self.started = False  # `broken` watches its threads from then on
         self.deferred: list[Start] = []  # restored members (snapshot.restore) to launch at start
         self.started_at = time.perf_counter()
         # Threads run in a copy of the creator's context: on a Dask worker that carries the
@@ -145,6 +146,7 @@ class RolloutService(ReplicaFailures):
             for b in self.batchers:
                 b.thread = self._spawn(b.loop, name="rollout-batcher")
             self._watchdog.start()
+        self.started = True
         with self.lock:
             self._launch(self.deferred)
             self.deferred = []
@@ -227,6 +229,8 @@ class RolloutService(ReplicaFailures):
                 return out
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 raise TimeoutError(f"no complete batch for update {update} in {timeout} s")
+            if (why := self.broken()) is not None:
+                raise RolloutBroken(f"rollout service broken: {why}")
             with self.lock:
                 self.lock.wait(0.05)
 

@@ -1,7 +1,9 @@
 """Lost engine replicas and env hosts, as the rollout service handles them (a mixin of
 RolloutService, rollart/rollout/service.py): which replica an orphaned episode moves to, a
-replica taken out of rotation and put back, a host routed around, and the env-timeout watchdog
-that fails a hung env call (a hung env costs one episode) and probes its host."""
+replica taken out of rotation and put back, a host routed around, the env-timeout watchdog
+that fails a hung env call (a hung env costs one episode) and probes its host, and the service
+itself broken while its process lives (`broken`, `handover`: the driver moves its live state
+into a replacement, rollart/recovery.py `rebuild_rollout`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,11 @@ from typing import Any
 
 from rollart.rollout.batcher import LiveEpisode
 from rollart.rollout.failover import ReplicaLost
+
+
+class RolloutBroken(RuntimeError):
+    """The rollout service can no longer make progress though its process (and its state)
+    lives: a thread it runs on has ended. Its state can be handed over (`handover`)."""
 
 
 class ReplicaFailures:
@@ -32,6 +39,28 @@ class ReplicaFailures:
     _probing: set[int]
     _failed: Any
     _spawn: Any
+    _watchdog: Any
+    runner: Any
+    started: bool
+
+    def broken(self) -> str | None:
+        """Why the started service cannot go on though its process lives (a thread it runs on
+        ended while it was not stopping: a bug, an uncaught error), else None. Episode
+        threads are not counted: each ends with its episode."""
+        if not self.started or self.stopping:
+            return None
+        threads = ([self.runner.thread] if self.runner is not None
+                   else [*(b.thread for b in self.batchers), self._watchdog])
+        dead = sorted({t.name for t in threads if t is not None and not t.is_alive()})
+        return f"its thread(s) {', '.join(dead)} ended" if dead else None
+
+    def handover(self) -> tuple[bytes | None, list[Any]]:
+        """Stop this (broken) service and return its live state for a replacement: what a
+        checkpoint's snapshot holds (rollart/rollout/snapshot.py), taken now. The replacement
+        keeps the finished members of unconsumed groups and the drops not yet handed to the
+        trainer; members that were running are dropped as `interrupted` and re-issued."""
+        self.stop()  # type: ignore[attr-defined]
+        return self.snapshot()  # type: ignore[attr-defined]
 
     def move_engine(self, live: LiveEpisode, alive: list[int]) -> None:
         """`live`'s replica is gone: it goes on with the alive replica with fewest episodes."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from rollart.handles import worker_identity
 from rollart.rollout.env_host import EnvHostService
+from rollart.rollout.service_failures import RolloutBroken
 from rollart.rollout.setup import build_rollout_service
 from rollart.run import RunSpec
 from rollart.services.engine import EngineService
@@ -18,6 +19,8 @@ class RolloutServiceActor:
     """Its threads call the engine and env-host actors; `take_batch` is a coroutine (it polls on
     the worker's event loop), so waiting for a batch never holds the worker's single actor
     thread."""
+
+    BROKEN_POLL_S = 0.5
 
     def __init__(self, run: RunSpec, engine_refs: list[tuple[str, str]],
                  host_refs: list[tuple[str, str]], version: int = 0,
@@ -47,9 +50,15 @@ class RolloutServiceActor:
         return worker_identity()
 
     async def take_batch(self, update: int) -> tuple[list[Trajectory], dict[str, Any]]:
-        t0 = time.perf_counter()
+        """Waits for the batch; ends with `RolloutBroken` once the service cannot make one
+        (checked every `BROKEN_POLL_S`), so the driver can hand its state to a replacement."""
+        t0 = last = time.perf_counter()
         while (out := self.service.try_take(update)) is None:
             await asyncio.sleep(0.02)
+            if time.perf_counter() - last > self.BROKEN_POLL_S:
+                last = time.perf_counter()
+                if (why := self.service.broken()) is not None:
+                    raise RolloutBroken(f"rollout service broken: {why}")
         out[1]["metrics"]["rollout/wait_s"] = time.perf_counter() - t0
         return out
 
@@ -62,6 +71,9 @@ class RolloutServiceActor:
 
     def snapshot(self) -> tuple[bytes | None, list[Trajectory]]:
         return self.service.snapshot()
+
+    def handover(self) -> tuple[bytes | None, list[Trajectory]]:
+        return self.service.handover()
 
     def restore_state(self, state: bytes, trajs: list[Trajectory]) -> dict[str, int]:
         return self.service.restore_state(state, trajs)
