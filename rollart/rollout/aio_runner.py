@@ -43,19 +43,15 @@ from functools import partial
 from typing import Any
 
 from rollart.handles import call
-from rollart.rollout.batcher import EpisodeCancelled, LiveEpisode
-from rollart.rollout.env_manager import (
-    EpisodeSpec,
-    begin_episode,
-    constrain,
-    fail_episode,
-    finish_episode,
-    new_episode,
-    record_completion,
-    record_step,
+from rollart.rollout.batcher import LiveEpisode
+from rollart.rollout.episode_step import (
+    Action,
+    Generate,
+    Step,
+    reissue_turn,
+    route_turn,
+    service_steps,
 )
-from rollart.rollout.failover import NoReplicaLeft, is_replica_loss
-from rollart.routing.router import NoHealthyReplica
 from rollart.types import Completion, GenerationRequest
 
 # (turn start, turn end, episode id, turn index): perf_counter seconds, for benchmarks
@@ -240,56 +236,28 @@ class AsyncRunner:
 
     # ---- one episode ---------------------------------------------------------------------
     async def episode(self, live: LiveEpisode) -> None:
+        """One episode as a task: its turns and what a failure costs are
+        rollart/rollout/episode_step.py's; here, only how each action is awaited."""
         svc, st = self.svc, live.start
-        params = svc.params[st.task]
-        ep = new_episode(EpisodeSpec(svc.tasks[st.task], st.seed, st.group_id, st.episode_id,
-                                     st.iteration))
-        constrain(ep.traj, params)
-        reason = "env_error"
-        t0 = time.perf_counter()
-        try:
-            opened = await self._host(live, "open", live.id, st.task, st.seed)
-        except Exception:
-            fail_episode(ep, "reset")
-        else:  # (system, observation[, prompt ids from a host that tokenizes])
-            begin_episode(ep, svc.chat, *opened)
-        ep.timings["env_s"] += time.perf_counter() - t0
-        try:
-            while not ep.done and not live.cancelled:
-                turn = ep.traj.num_turns
-                req = GenerationRequest(f"{st.episode_id}#t{turn}", list(ep.traj.token_ids),
-                                        params)
-                t0 = time.perf_counter()
-                comp = await self._generate(live, req, ep.pending_prompt_tokens)
-                t1 = time.perf_counter()
-                ep.timings["generate_s"] += t1 - t0
-                if comp is None or live.cancelled:
-                    break  # stopping with no replica left / cancelled meanwhile
-                record_completion(ep, comp, svc.chat)
-                t1 = time.perf_counter()
-                try:
-                    result = await self._host(live, "step", live.id, comp.text)
-                except Exception:
-                    ep.timings["env_s"] += time.perf_counter() - t1
-                    fail_episode(ep, "step")
-                    break
-                env_s = time.perf_counter() - t1
-                ep.timings["env_s"] += env_s
-                record_step(ep, comp, result, env_s, svc.chat, svc.max_context,
-                            params.max_new_tokens)
-                if self.turn_log is not None:
-                    self.turn_log.append((t0, time.perf_counter(), live.id, turn))
-        except EpisodeCancelled:
-            pass
-        except NoReplicaLeft as err:  # the run cannot go on: say why
-            svc.set_fatal(err)
-            live.cancelled = True
-        except Exception as err:  # the engine's own error: costs this episode, not the replica
-            ep.traj.error = f"generate: {type(err).__name__}: {err}"
-            reason = "engine_error"
+        steps = service_steps(svc, live, self._turn_done)
+        action: Action | None = steps.start()
+        while action is not None:
+            # The actions are awaited here, not in a helper coroutine: one frame less between
+            # the task and every wake-up of a turn (thousands of episodes share the loop).
+            try:
+                if type(action) is Generate:
+                    result = await self._generate(live, action.request, action.new_tokens)
+                elif type(action) is Step:
+                    result = await self._host(live, "step", live.id, action.text)
+                else:  # (system, observation[, prompt ids from a host that tokenizes])
+                    result = await self._host(live, "open", live.id, st.task, st.seed)
+            except Exception as err:  # what it costs is the steps' policy
+                steps.fail(err)
+                break
+            action = steps.advance(result)
         await self._close(live)
-        traj = finish_episode(ep)
-        if not svc.episode_over(live, traj, ep.timings, reason, self._locked):
+        traj = steps.finish()
+        if not svc.episode_over(live, traj, steps.timings, steps.reason, self._locked):
             return
         try:
             fut = svc.reward.submit(traj)
@@ -300,6 +268,10 @@ class AsyncRunner:
             svc.set_fatal(err, keep_first=False)
             return
         self._locked(svc._scored, live, traj)
+
+    def _turn_done(self, t0: float, episode_id: str, turn: int) -> None:
+        if self.turn_log is not None:  # set while the loop runs (benchmarks/rollout_shard.py)
+            self.turn_log.append((t0, time.perf_counter(), episode_id, turn))
 
     def _locked(self, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args)` under the service's lock, without blocking the loop: while the trainer's
@@ -335,7 +307,7 @@ class AsyncRunner:
 
     async def _generate(self, live: LiveEpisode, req: GenerationRequest, new_tokens: int
                         ) -> Completion | None:
-        """As RolloutService._generate: a turn lost with its replica goes to another one."""
+        """As thread_runner._generate: a turn lost with its replica goes to another one."""
         svc = self.svc
         flags = svc.health.alive  # read without its lock: a list of bools, set in place
         while True:
@@ -344,22 +316,15 @@ class AsyncRunner:
                 if not alive:
                     return None
                 svc.move_engine(live, alive)
-            try:
-                engine = svc.routing.route(live.id, live.start.task, req, new_tokens,
-                                           live.engine)
-            except NoHealthyReplica:  # the router heard of a loss before the health flags
+            engine = route_turn(svc, live, req, new_tokens)
+            if engine is None:  # the router heard of a loss before the health flags
                 await asyncio.sleep(0.05)
                 continue
             try:
                 return await svc.batchers[engine].agenerate(req, live)
-            except EpisodeCancelled:
-                raise
             except Exception as err:
-                if not is_replica_loss(err):
-                    svc.routing.abandon(req.request_id)
+                if not reissue_turn(svc, engine, req, err):
                     raise
-                svc.engine_lost(engine, err)
-                svc.totals.counters["turns_reissued"] += 1
 
     async def _wait_any(self, live: LiveEpisode) -> list[int]:
         """No replica serves: wait for one (EngineHealth.wait_any without blocking the loop)."""

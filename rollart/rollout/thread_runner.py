@@ -8,54 +8,46 @@ Each live episode runs on its own Python thread, start to end; the service's eng
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
-from rollart.rollout.batcher import EpisodeCancelled, LiveEpisode
+from rollart.rollout.batcher import LiveEpisode
 from rollart.rollout.env_host import HostedEnv
-from rollart.rollout.env_manager import (
-    EpisodeSpec,
-    apply_completion,
-    constrain,
-    finish_episode,
-    start_episode,
+from rollart.rollout.episode_step import (
+    Action,
+    Generate,
+    Step,
+    open_env,
+    reissue_turn,
+    route_turn,
+    service_steps,
+    take,
 )
-from rollart.rollout.failover import NoReplicaLeft, is_replica_loss
-from rollart.routing.router import NoHealthyReplica
 from rollart.types import Completion, GenerationRequest, Trajectory
 
 
 def run_episode(svc: Any, live: LiveEpisode) -> None:
-    """One episode on its own thread, start to end (RolloutService._launch spawns it)."""
-    st = live.start
-    params = svc.params[st.task]
-    spec = EpisodeSpec(svc.tasks[st.task], st.seed, st.group_id, st.episode_id, st.iteration)
+    """One episode on its own thread, start to end (RolloutService._launch spawns it); its
+    turns and what a failure costs are rollart/rollout/episode_step.py's."""
     env = HostedEnv(svc, live)
-    ep = start_episode(spec, svc.chat, lambda task: env)
-    reason = "env_error"
-    constrain(ep.traj, params)
-    try:
-        while not ep.done and not live.cancelled:
-            req = GenerationRequest(f"{st.episode_id}#t{ep.traj.num_turns}",
-                                    list(ep.traj.token_ids), params)
-            t0 = time.perf_counter()
-            comp = _generate(svc, live, req, ep.pending_prompt_tokens)
-            ep.timings["generate_s"] += time.perf_counter() - t0
-            if comp is None:
-                break  # stopping with no replica left
-            if not live.cancelled:
-                apply_completion(ep, comp, svc.chat, svc.max_context, params.max_new_tokens)
-    except EpisodeCancelled:
-        pass
-    except NoReplicaLeft as err:  # the run cannot go on: say why
-        svc.set_fatal(err)
-        live.cancelled = True
-    except Exception as err:  # the engine's own error: costs this episode, not the replica
-        ep.traj.error = f"generate: {type(err).__name__}: {err}"
-        reason = "engine_error"
+    steps = service_steps(svc, live)
+    perform = partial(_perform, svc, live, env)
+    action = steps.start()
+    while action is not None:
+        action = take(steps, action, perform)
     env.close()
-    traj = finish_episode(ep)
-    if svc.episode_over(live, traj, ep.timings, reason):
+    traj = steps.finish()
+    if svc.episode_over(live, traj, steps.timings, steps.reason):
         _score(svc, live, traj)
+
+
+def _perform(svc: Any, live: LiveEpisode, env: HostedEnv, action: Action) -> Any:
+    if type(action) is Generate:
+        return _generate(svc, live, action.request, action.new_tokens)
+    if type(action) is Step:
+        return env.step(action.text)
+    return open_env(env, live.start.seed)
+
 
 def _generate(svc: Any, live: LiveEpisode, req: GenerationRequest, new_tokens: int
               ) -> Completion | None:
@@ -69,22 +61,16 @@ def _generate(svc: Any, live: LiveEpisode, req: GenerationRequest, new_tokens: i
             return None
         if live.engine not in alive:  # its replica is gone: the least loaded alive one
             svc.move_engine(live, alive)
-        try:
-            engine = svc.routing.route(live.id, live.start.task, req, new_tokens,
-                                        live.engine)
-        except NoHealthyReplica:  # the router heard of a loss before the health flags
+        engine = route_turn(svc, live, req, new_tokens)
+        if engine is None:  # the router heard of a loss before the health flags
             time.sleep(0.05)
             continue
         try:
             return svc.batchers[engine].generate(req, live)
-        except EpisodeCancelled:
-            raise
         except Exception as err:
-            if not is_replica_loss(err):
-                svc.routing.abandon(req.request_id)
+            if not reissue_turn(svc, engine, req, err):
                 raise
-            svc.engine_lost(engine, err)
-            svc.totals.counters["turns_reissued"] += 1
+
 
 def _score(svc: Any, live: LiveEpisode, traj: Trajectory) -> None:
     try:

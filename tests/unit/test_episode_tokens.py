@@ -1,8 +1,8 @@
-"""An episode's token bookkeeping (rollart/rollout/env_manager.py), by hand: which tokens the
+"""An episode's token bookkeeping (rollart/rollout/episode_step.py), by hand: which tokens the
 loss trains on, their behaviour log-probs and versions, built once by `finish_episode`."""
 
 from rollart.config import TaskConfig
-from rollart.rollout.env_manager import (
+from rollart.rollout.episode_step import (
     EpisodeSpec,
     begin_episode,
     finish_episode,
