@@ -1,0 +1,442 @@
+"""mkdocs hook: pages generated from the code and the committed results, so they cannot drift.
+
+A page holds a placeholder comment that `on_page_markdown` replaces at build time:
+
+    <!-- generated: config -->       every field of the config models (rollart.config.RunConfig,
+                                     walked recursively): key, type, default, description
+    <!-- generated: cli -->          the help of every `rollart` command and subcommand (typer)
+    <!-- generated: benchmarks -->   one row per benchmark from results/*.json
+
+Also usable without mkdocs: `python docs/hooks.py config|cli|benchmarks` prints that part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("mkdocs.plugins.rollart")
+PLACEHOLDER = re.compile(r"<!-- generated: (\w+) -->")
+
+
+# ---------------------------------------------------------------------------- config reference
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _models(annotation: Any) -> list[tuple[str, type]]:
+    """(key suffix, model) for each pydantic model inside an annotation: `X` -> ("", X),
+    `dict[str, X]` -> (".<name>", X), `list[X]` -> (".<i>", X)."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [("", annotation)]
+    origin = typing.get_origin(annotation)
+    out: list[tuple[str, type]] = []
+    for arg in typing.get_args(annotation):
+        for suffix, model in _models(arg):
+            if origin is dict:
+                out.append((".<name>" + suffix, model))
+            elif origin is list:
+                out.append((".<i>" + suffix, model))
+            else:
+                out.append((suffix, model))
+    return out
+
+
+def _default(field: Any) -> str:
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    if field.default_factory is not None:
+        try:
+            value = field.default_factory()
+        except TypeError:
+            return "(computed)"
+    elif field.default is PydanticUndefined:
+        return "required"
+    else:
+        value = field.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        return "(see below)"
+    if isinstance(value, dict) and value and isinstance(next(iter(value.values())), BaseModel):
+        return ", ".join(sorted(value)) + " (see below)"
+    text = json.dumps(value) if not isinstance(value, str) else json.dumps(value)
+    return f"`{text}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def config_reference() -> str:
+    from rollart.config import RunConfig
+
+    sections: list[tuple[str, type, list[str]]] = []
+    seen: set[tuple[str, type]] = set()
+
+    def walk(model: type, path: str) -> None:
+        if (path, model) in seen:
+            return
+        seen.add((path, model))
+        rows = []
+        nested: list[tuple[str, type]] = []
+        for name, field in model.model_fields.items():
+            key = f"{path}.{name}" if path else name
+            rows.append(f"| `{key}` | {_cell(_type_name(field.annotation))} | "
+                        f"{_cell(_default(field))} | {_cell(field.description or '')} |")
+            nested += [(key + suffix, sub) for suffix, sub in _models(field.annotation)]
+        sections.append((path, model, rows))
+        for key, sub in nested:
+            walk(sub, key)
+
+    walk(RunConfig, "")
+    out = []
+    for path, model, rows in sections:
+        title = f"`{path}`" if path else "Top level"
+        doc = " ".join((model.__doc__ or "").split()) if model.__doc__ and \
+            "Usage docs" not in model.__doc__ else ""
+        out.append(f"### {title}\n")
+        out.append(f"Model `{model.__module__}.{model.__name__}`. {doc}\n".rstrip() + "\n")
+        out.append("| key | type | default | description |\n|---|---|---|---|")
+        out.extend(rows)
+        out.append("")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------- CLI reference
+
+def cli_reference() -> str:
+    import click
+    import typer.main
+
+    from cli.main import app
+
+    root = typer.main.get_command(app)
+    out: list[str] = []
+
+    def walk(cmd: click.Command, ctx: click.Context, depth: int) -> None:
+        cmd.rich_markup_mode = None  # type: ignore[attr-defined]  # plain click help, no rich
+        help_text = cmd.get_help(ctx)
+        out.append(f"{'#' * min(depth + 2, 5)} `{ctx.command_path}`\n")
+        out.append("```text\n" + help_text.rstrip() + "\n```\n")
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(ctx):
+                sub = cmd.get_command(ctx, name)
+                if sub is None or getattr(sub, "hidden", False):
+                    continue
+                walk(sub, click.Context(sub, info_name=name, parent=ctx, terminal_width=100,
+                                        max_content_width=100), depth + 1)
+
+    walk(root, click.Context(root, info_name="rollart", terminal_width=100,
+                             max_content_width=100), 0)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- benchmarks table
+
+def _load(name: str) -> dict:
+    return json.loads((ROOT / "results" / name).read_text())
+
+
+def _date(name: str, data: dict) -> str:
+    """The date the results file was last committed (its JSON has the machine and commit)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", f"results/{name}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for key in ("date", "date_utc"):
+        for d in (data, data.get("host") if isinstance(data.get("host"), dict) else {}):
+            if isinstance(d, dict) and d.get(key):
+                return str(d[key])[:10]
+    return "n/a"
+
+
+def _r(lo: float, hi: float, fmt: str = "{:.2f}") -> str:
+    return fmt.format(lo) if abs(lo - hi) < 1e-12 else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def _quickstart(d: dict) -> str:
+    return (f"set-up (`make venv`) {d['setup_s']:.0f} s; first row after {d['first_row_s']:.0f} s; "
+            f"greedy evaluation >= 0.9 at iteration {d['iteration_at_0_9']} after "
+            f"**{d['time_to_0_9_s_min']:.0f}-{d['time_to_0_9_s_max']:.0f} s** "
+            f"({d['runs_reaching_0_9']} runs), final evaluation {d['final_eval_min']:.1f}")
+
+
+def _learn(d: dict) -> str:
+    first = next((int(c["iteration"]) for c in d["curve"]
+                  if (c.get("eval/success_rate") or 0) >= 1.0), None)
+    return (f"greedy 1.0 first at iteration {first}, stopped after {d['iterations']} iterations "
+            f"({d['wall_s']:.0f} s); final {d['final_success']:.2f}")
+
+
+def _control_plane(d: dict) -> str:
+    runs = d["variants"]["threads"]["runs"]
+    shares = [r["orchestration_share"] for r in runs]
+    its = [r["iteration_s_median"] for r in runs]
+    dask = [r["orchestration_share"] for r in d["variants"]["dask"]["runs"]]
+    return (f"orchestration share **{_r(min(shares), max(shares), '{:.3f}')}** of "
+            f"{_r(min(its), max(its))} s per iteration (threads runner); dask runner "
+            f"{_r(min(dask), max(dask))}")
+
+
+def _async(d: dict) -> str:
+    s = d["speedup_by_variant"]
+    g = d["final_reward_gap_by_variant"]
+    return (f"alpha = 1: **{s['async1']:.2f}x** sync's speed, final reward gap {g['async1']:.3f}; "
+            f"alpha = 2: {s['async2']:.2f}x, gap {g['async2']:.3f} ({len(d['seeds'])} seeds)")
+
+
+def _vs_trl(d: dict) -> str:
+    v = d["variants"][d["best_variant"]]
+    return (f"**{v['speedup']:.2f}x** TRL's steps/s (rounds {v['speedup_min']:.2f}-"
+            f"{v['speedup_max']:.2f}); {v['token_throughput_ratio']:.2f}x per generated token; "
+            f"held-out accuracy {d['rollart_final_accuracy']:.2f} vs "
+            f"{d['trl_final_accuracy']:.2f}; "
+            f"weight sync {d['sync_s']:.2f} s")
+
+
+def _agentic_vs_trl(d: dict) -> str:
+    per = d["env_steps_per_s_ratio_per_seed"]
+    return (f"env steps/s **{d['env_steps_per_s_ratio']:.2f}x** TRL's (seeds "
+            f"{_r(min(per.values()), max(per.values()))}); "
+            f"tokens/s {d['tokens_per_s_ratio']:.2f}x; "
+            f"held-out gain {d['rollart_success_gain']:.3f} vs TRL {d['trl_success_gain']:.3f}")
+
+
+def _engines(d: dict) -> str:
+    return (f"vLLM/HF tokens/s **{d['vllm_over_hf']:.2f}x**; log-prob error vs trainer "
+            f"{d['logprob_mae_hf']:.1e} (HF), {d['logprob_mae_vllm']:.1e} (vLLM)")
+
+
+def _rollout_scale(d: dict) -> str:
+    h = d["headline"]
+    sp = h.get("spread", {})
+    p99 = sp.get("overhead_p99_ms_4096") or [h["overhead_p99_ms_4096"]] * 2
+    two = sp.get("two_shards_over_one") or [h["two_shards_over_one"]] * 2
+    return (f"4,096 episodes, one shard: {h['turns_per_s_4096']:,.0f} turns/s, per-turn overhead "
+            f"p99 **{_r(min(p99), max(p99))} ms** (p50 {h['overhead_p50_ms_4096']:.2f}); two "
+            f"shards {_r(min(two), max(two))}x one (saturated)")
+
+
+def _router(d: dict) -> str:
+    r = d["ratios"]
+    key = next(k for k in r if k.startswith("all_calls:baseline"))
+    v = r[key]
+    return (f"router CPU per call {v['median']:.2f}x faster than the baseline router "
+            f"(repeats {v['min']:.2f}-{v['max']:.2f}); decisions identical: "
+            f"{d['decisions_identical']}")
+
+
+def _affinity(d: dict) -> str:
+    return (f"affinity / round robin **{d['speedup_vs_round_robin']:.2f}x** (repeats "
+            f"{d['speedup_vs_round_robin_min']:.2f}-{d['speedup_vs_round_robin_max']:.2f}); "
+            f"training run {d['run_speedup_vs_round_robin']:.2f}x")
+
+
+def _elastic(d: dict) -> str:
+    return (f"reward p95 fixed pool / elastic **{d['p95_ratio_fixed_over_elastic']:.1f}x** "
+            f"(p50 {d['p50_ratio_fixed_over_elastic']:.1f}x)")
+
+
+def _ckpt(d: dict) -> str:
+    return (f"save {d['save_MBps']:.0f} MB/s ({d['save_ratio_vs_boto3']:.2f}x plain boto3), "
+            f"load {d['load_MBps']:.0f} MB/s ({d['load_ratio_vs_boto3']:.2f}x)")
+
+
+def _security(d: dict) -> str:
+    w = d["wall_ratio_per_repeat"]
+    return (f"secured / open iteration time **{d['overhead_ratio']:.2f}** (pairs "
+            f"{d['overhead_ratio_min']:.3f}-{d['overhead_ratio_max']:.3f}); whole run "
+            f"{_r(min(w), max(w), '{:.3f}')}")
+
+
+def _chaos(d: dict) -> str:
+    gap = d["final_eval_gap"]
+    return (f"7 fault kinds, all recovered: {d['all_recovered']}; consumed {d['consumed'][0]:,}, "
+            f"duplicated {d['duplicated']}, unaccounted {d['unaccounted']}; final-eval gap "
+            f"(clean - chaos) {gap['mean']:.1f}")
+
+
+def _chaos_rank(d: dict) -> str:
+    f = d["faults"][0]
+    return (f"a trainer rank killed: detected {f['detected_s']:.0f} s, recovered "
+            f"{f['recovered_s']:.0f} s after; duplicated {d['duplicated']}, unaccounted "
+            f"{d['unaccounted']}")
+
+
+def _sharded(d: dict) -> str:
+    h = d["headline"]
+    return (f"2 ranks vs 1: largest parameter difference {h['update_parity_max_abs']:.1e} "
+            f"(bound {h['update_parity_bound']:.1e}); state per rank "
+            f"{h['state_bytes_per_rank_ratio_2']:.2f} (2 ranks), "
+            f"{h['state_bytes_per_rank_ratio_4']:.2f} (4); resume exact: {h['resume_exact']}")
+
+
+def _sharded_learning(d: dict) -> str:
+    s = d["summary"]
+    return (f"held-out accuracy gain {s['accuracy_gain_1'][0]:+.3f} (1 rank), "
+            f"{s['accuracy_gain_2'][0]:+.3f} (2 ranks), one seed")
+
+
+def _weight_sync(d: dict) -> str:
+    cap = d["summary_link_capped"]["chain"]
+    one, four = cap["1"]["median_s"], cap["4"]["median_s"]
+    return (f"1 -> 4 engine hosts, links capped at {d['link_mbit']} Mbit/s: {one:.2f} -> "
+            f"{four:.2f} s (**{four / one:.2f}x**)")
+
+
+def _prefix(d: dict) -> str:
+    return (f"shared-prefix update **{d['speedup']:.2f}x** the plain one (repeats "
+            f"{d['speedup_min']:.2f}-{d['speedup_max']:.2f}); length buckets "
+            f"{d['bucket_speedup']:.2f}x more")
+
+
+def _sim_async(d: dict) -> str:
+    p = d["predicted_over_measured"]["wall"]
+    return ("predicted / measured wall " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()))
+
+
+def _sim_cluster(d: dict) -> str:
+    return (f"RollArt design vs monolithic sync at 3,072 GPUs **{d['rollart_speedup_3072']:.2f}x** "
+            f"({d['rollart_speedup_3072_with_failures']:.2f}x with env failures); validation "
+            f"max error {d['validation_max_error']:.3f}")
+
+
+def _base_rate(d: dict) -> str:
+    r = d["runs"]
+    return ", ".join(f"{k} {v['success_rate']:.2f}" for k, v in r.items())
+
+
+def _multitask(d: dict) -> str:
+    out = []
+    for name, t in d["tasks"].items():
+        before, after = t.get("eval_success_before"), t.get("eval_success_after")
+        if before is not None and after is not None:
+            out.append(f"{name} {before:.2f} -> {after:.2f}")
+    return "held-out greedy success " + ", ".join(out) if out else d["summary"]
+
+
+# (title, command, results file, headline extractor)
+BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
+    ("Quickstart (`make venv`, `make train`)", "python benchmarks/quickstart.py --runs 2",
+     "quickstart.json", _quickstart),
+    ("FrozenLake learning, in-process (seed 0)", "python benchmarks/learn_frozenlake.py "
+     "--eval-every 2", "learn_frozenlake.json", _learn),
+    ("FrozenLake learning, in-process (seed 1)", "python benchmarks/learn_frozenlake.py "
+     "--eval-every 2 --set seed=1 --out results/learn_frozenlake_seed1.json",
+     "learn_frozenlake_seed1.json", _learn),
+    ("Control plane (Prefect + Dask vs in-process)", "python benchmarks/control_plane.py",
+     "control_plane.json", _control_plane),
+    ("Asynchrony vs sync", "python benchmarks/async_vs_sync.py --iterations 150 --seeds 0,1,2 "
+     "--variants async1,sync,async2 --set train.lr=0.001", "async_vs_sync.json", _async),
+    ("Against TRL GRPOTrainer (arithmetic)", "python benchmarks/vs_trl.py --variants "
+     "sync-vllm,async-vllm --rounds 2", "vs_trl.json", _vs_trl),
+    ("Against TRL GRPOTrainer (multi-turn guess game)", "python benchmarks/agentic_vs_trl.py "
+     "--steps 20 --groups 2 --group-size 4 --seeds 0,1", "agentic_vs_trl.json", _agentic_vs_trl),
+    ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
+     "agentic_base_rate.json", _base_rate),
+    ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
+     "agentic_multitask.json", _multitask),
+    ("HF vs vLLM engine", "make bench-engines", "engines.json", _engines),
+    ("Rollout service at scale", "python benchmarks/rollout_scale.py --repeats 2",
+     "rollout_scale.json", _rollout_scale),
+    ("Router CPU per decision", "python benchmarks/router_rebuild.py --repeats 11 --calls 3000",
+     "router_rebuild.json", _router),
+    ("Hardware-affinity routing", "python benchmarks/affinity.py", "affinity.json", _affinity),
+    ("Elastic rewards", "python benchmarks/reward_elastic.py", "reward_elastic.json", _elastic),
+    ("Checkpoints on S3", "python benchmarks/checkpoint_s3.py", "checkpoint_s3.json", _ckpt),
+    ("Security overhead", "python benchmarks/security_overhead.py --repeats 2",
+     "security_overhead_rerun.json", _security),
+    ("Chaos (7 fault kinds, 60 iterations)", "python benchmarks/chaos.py --iterations 60 "
+     "--seeds 0 --out results/chaos_guard.json", "chaos_guard.json", _chaos),
+    ("Chaos: a trainer rank lost", "python benchmarks/chaos.py --scenario trainer_rank "
+     "--iterations 8 --seeds 0 --out results/chaos_trainer_rank.json",
+     "chaos_trainer_rank.json", _chaos_rank),
+    ("Sharded trainer parity and memory", "python benchmarks/sharded_trainer.py",
+     "sharded_trainer.json", _sharded),
+    ("Sharded trainer learning (SmolLM2 arithmetic)", "python benchmarks/sharded_learning.py",
+     "sharded_learning.json", _sharded_learning),
+    ("Weight sync to several engine hosts", "python benchmarks/weight_sync.py --link-mbit 1000",
+     "weight_sync.json", _weight_sync),
+    ("Shared-prefix update", "python benchmarks/update_shared_prefix.py",
+     "update_shared_prefix.json", _prefix),
+    ("Simulator vs the async benchmark", "python benchmarks/sim_async.py", "sim_async.json",
+     _sim_async),
+    ("Simulator at cluster scale", "python benchmarks/sim_cluster.py", "sim_cluster.json",
+     _sim_cluster),
+]
+
+
+def benchmarks_table() -> str:
+    rows = ["| benchmark | command | headline (spread) | results file | date |",
+            "|---|---|---|---|---|"]
+    for title, command, name, extract in BENCHMARKS:
+        data = _load(name)
+        try:
+            headline = extract(data)
+        except (KeyError, IndexError, TypeError, ValueError, StopIteration) as e:
+            # A results file whose format changed: the build says so (fails under --strict).
+            log.warning("benchmarks table: results/%s: cannot read the headline (%r)", name, e)
+            headline = "n/a"
+        rows.append(f"| {title} | `{command}` | {_cell(headline)} | `results/{name}` | "
+                    f"{_date(name, data)} |")
+    return "\n".join(rows)
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "config": config_reference, "cli": cli_reference, "benchmarks": benchmarks_table,
+}
+
+
+def on_page_markdown(markdown: str, page: Any = None, config: Any = None, files: Any = None,
+                     **_: Any) -> str:
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in GENERATORS:
+            log.warning("unknown generated section %r in %s", name, getattr(page, "file", page))
+            return match.group(0)
+        return GENERATORS[name]()
+
+    return PLACEHOLDER.sub(replace, markdown)
+
+
+
+def on_files(files: Any, config: Any, **_: Any) -> Any:
+    """The committed plots under results/ (pages show them as `../results/NAME.png`)."""
+    from mkdocs.structure.files import File
+
+    for png in sorted((ROOT / "results").glob("sim_cluster_*.png")):
+        files.append(File.generated(config, f"results/{png.name}", abs_src_path=str(png)))
+    return files
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(GENERATORS[sys.argv[1]]())
