@@ -130,28 +130,29 @@ def config_reference() -> str:
 # --------------------------------------------------------------------------------- CLI reference
 
 def cli_reference() -> str:
-    import click
     import typer.main
 
     from cli.main import app
 
+    # typer may carry its own copy of click: use the classes of the command it returns.
     root = typer.main.get_command(app)
+    context_class = root.context_class
     out: list[str] = []
 
-    def walk(cmd: click.Command, ctx: click.Context, depth: int) -> None:
-        cmd.rich_markup_mode = None  # type: ignore[attr-defined]  # plain click help, no rich
+    def walk(cmd: Any, ctx: Any, depth: int) -> None:
+        cmd.rich_markup_mode = None  # plain click help, no rich boxes
         help_text = cmd.get_help(ctx)
         out.append(f"{'#' * min(depth + 2, 5)} `{ctx.command_path}`\n")
         out.append("```text\n" + help_text.rstrip() + "\n```\n")
-        if isinstance(cmd, click.Group):
+        if hasattr(cmd, "list_commands"):
             for name in cmd.list_commands(ctx):
                 sub = cmd.get_command(ctx, name)
                 if sub is None or getattr(sub, "hidden", False):
                     continue
-                walk(sub, click.Context(sub, info_name=name, parent=ctx, terminal_width=100,
+                walk(sub, context_class(sub, info_name=name, parent=ctx, terminal_width=100,
                                         max_content_width=100), depth + 1)
 
-    walk(root, click.Context(root, info_name="rollart", terminal_width=100,
+    walk(root, context_class(root, info_name="rollart", terminal_width=100,
                              max_content_width=100), 0)
     return "\n".join(out)
 
@@ -404,7 +405,7 @@ def benchmarks_table() -> str:
         except (KeyError, IndexError, TypeError, ValueError, StopIteration) as e:
             # A results file whose format changed: the build says so (fails under --strict).
             log.warning("benchmarks table: results/%s: cannot read the headline (%r)", name, e)
-            headline = "n/a"
+            headline = "(results file unreadable)"
         rows.append(f"| {title} | `{command}` | {_cell(headline)} | `results/{name}` | "
                     f"{_date(name, data)} |")
     return "\n".join(rows)

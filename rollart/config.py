@@ -370,7 +370,7 @@ class TrainConfig(_Strict):
     """Trust-region guard: after the epochs, the mean per-token KL(policy at update start || new) on
     the batch's model tokens (k3 estimate); above max_kl the step is scaled back along the line from
     the start (KL ~ quadratic in the step). 0 disables. Adam can take a step of KL ~1 from a small
-    gradient; with stale batches that collapsed runs (README: staleness)."""
+    gradient; with stale batches that collapsed runs (docs: concepts/rollout.md, staleness)."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks: the model, gradients and optimizer state FSDP2-sharded over this many
     trainer-class workers (one rank each, one torch.distributed group; gloo on CPU, nccl on CUDA).

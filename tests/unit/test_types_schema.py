@@ -100,7 +100,7 @@ def test_unmappable_types_fail_naming_the_field():
 def test_shard_rows_take_the_trajectory_values_without_copying(make_traj):
     """A shard's rows are built on the CPU worker while it hands the same batch to the trainer's
     worker: a deep copy of every token list held that worker's GIL ~60 ms per 64-episode batch
-    (README: `benchmarks/control_plane.py`), so rows refer to the trajectory's own lists."""
+    (docs/benchmarks.md, control plane), so rows refer to the trajectory's own lists."""
     t = make_traj(0)
     row = t.to_row()
     for name in ("token_ids", "loss_mask", "behaviour_logprobs", "token_versions"):
