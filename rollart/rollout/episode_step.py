@@ -38,7 +38,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rollart.config import TaskConfig
 from rollart.models.chat import ChatFormat
@@ -206,6 +206,7 @@ class Step:
 
 Action = Open | Generate | Step
 OPEN = Open()
+_A = TypeVar("_A", Open, Generate, Step)
 
 
 def _never() -> bool:
@@ -288,7 +289,7 @@ class EpisodeSteps:
         self.ep.traj.error = f"{'step' if type(action) is Step else 'reset'}: {_error_line(err)}"
         self.ep.done = True
 
-    def _hand(self, action: Action) -> Any:
+    def _hand(self, action: _A) -> _A:
         self.action = action
         self._t0 = time.perf_counter()
         return action
