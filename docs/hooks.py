@@ -119,7 +119,7 @@ def config_reference() -> str:
         title = f"`{path}`" if path else "Top level"
         doc = " ".join((model.__doc__ or "").split()) if model.__doc__ and \
             "Usage docs" not in model.__doc__ else ""
-        out.append(f"### {title}\n")
+        out.append(f"## {title}\n")
         out.append(f"Model `{model.__module__}.{model.__name__}`. {doc}\n".rstrip() + "\n")
         out.append("| key | type | default | description |\n|---|---|---|---|")
         out.extend(rows)
