@@ -265,6 +265,8 @@ class EpisodeSteps:
         kind = type(action)
         if kind is Open:
             self.ep.timings["env_s"] += elapsed
+            # Outside the rule below, as the runners always had it: an `open` answer out of
+            # the host protocol is a bug to surface, not one episode's failure.
             begin_episode(self.ep, self.chat, *result)
         try:
             if kind is Generate:
