@@ -1,8 +1,9 @@
 """Prefect Secret blocks as the source of S3 credentials (`storage.credentials_block`).
 
 The name may also be a prefect-aws `AwsCredentials` block (type slug `aws-credentials`), the
-block Prefect users already keep their AWS keys in; it is read through the API as a block
-document, so prefect-aws need not be installed here. A Secret of that name wins.
+block Prefect users already keep their AWS keys in (its key pair and session token; its region
+and endpoint are the config's, `storage.region` / `storage.endpoint_url`). A Secret of that
+name wins.
 
 The core library reads secrets only through a resolver installed explicitly in each process
 that opens the store (`rollart.storage.s3.install_credentials_resolver`): the flows call
@@ -20,23 +21,20 @@ from rollart.storage import s3
 
 
 def _aws_credentials_block(name: str) -> dict[str, Any] | None:
-    """The key fields of the `aws-credentials` block document `name`, or None."""
-    from prefect import get_client
-    from prefect.exceptions import ObjectNotFound
+    """The key fields of the prefect-aws `AwsCredentials` block `name`, or None."""
+    from blocks.aws import AwsCredentials, credential_fields
 
     try:
-        with get_client(sync_client=True) as client:
-            doc = client.read_block_document_by_name(name, "aws-credentials",
-                                                     include_secrets=True)
-    except (ObjectNotFound, ValueError):
+        creds = AwsCredentials.load(name, _sync=True)  # type: ignore[call-arg]
+    except ValueError:
         return None
-    data = doc.data
-    return {k: _plain(data.get(k)) for k in ("aws_access_key_id", "aws_secret_access_key",
-                                             "aws_session_token")}
-
-
-def _plain(value: Any) -> Any:
-    return value.get_secret_value() if hasattr(value, "get_secret_value") else value
+    try:
+        fields = credential_fields(creds)
+    except ValueError as err:
+        raise s3.StorageError(f"storage: AwsCredentials block {name!r}: {err}") from None
+    return {"aws_access_key_id": fields.access_key_id,
+            "aws_secret_access_key": fields.secret_access_key,
+            "aws_session_token": fields.session_token}
 
 
 def load_secret_value(name: str) -> Any:

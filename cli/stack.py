@@ -100,7 +100,29 @@ def up(
         for note in stack.notes:  # e.g. a default port someone else holds, and what we took
             typer.echo(f"note: {note}")
     _print_status(stack)
+    _register_s3_blocks(stack, state_dir)
     typer.echo(f"\nPrefect UI: {stack.ui_url}    next: rollart deploy")
+
+
+def _register_s3_blocks(stack: Stack, state_dir: Path | None) -> None:
+    """The stack's S3 server as prefect-aws blocks (aws-credentials/local-s3, s3-bucket/local)
+    on the stack's Prefect server, for flows and users to load. Skipped without a local S3 or
+    when PREFECT_API_URL names another server; a failure is a note, the stack is up anyway."""
+    h = stack.s3()
+    if h is None or os.environ.get("PREFECT_API_URL") not in (None, "", stack.api_url):
+        return
+    try:
+        _api_url(state_dir)
+        from blocks.registration import register_s3_blocks
+
+        _, saved = register_s3_blocks({"bucket": h.bucket, "endpoint_url": h.endpoint_url,
+                                       "access_key_id": h.access_key,
+                                       "secret_access_key": h.secret_key})
+    except Exception as err:  # noqa: BLE001 - any API error: one line, never a key
+        typer.echo(f"note: S3 blocks not registered ({type(err).__name__}); "
+                   "`rollart deploy` registers them")
+        return
+    typer.echo("blocks: " + ", ".join(saved))
 
 
 @app.command()
@@ -176,7 +198,7 @@ def deploy(
                                  "access_key_id": h.access_key, "secret_access_key": h.secret_key}
     saved = register_local_blocks(info, storage_root=storage_root, s3=s3,
                                   lambda_credentials=stack.lambda_credentials() if ours else None)
-    typer.echo("blocks: " + ", ".join(f"{k}/{v}" for k, v in saved.items()))
+    typer.echo("blocks: " + ", ".join(saved))
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("prefect")), "deploy", "--no-prompt",
          *[a for name in local for a in ("--name", name)], "--prefect-file", str(prefect_file)],

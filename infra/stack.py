@@ -15,7 +15,8 @@ PID (each process leads its own session, so its children go with it).
 
 The state directory is private (0700, files 0600, children under umask 077; infra/state.py)
 before any secret is written to it. The Lambda endpoint accepts only requests signed with the
-stack's Lambda key pair (`lambda-credentials.json`), which the `local` rewards block holds; the
+stack's Lambda key pair (`lambda-credentials.json`), which the `local` rewards block holds (in
+the prefect-aws block `aws-credentials/local-lambda`, blocks/registration.py); the
 Dask processes get no secret in their environment (a run hands each worker what its class
 needs, rollart/secrets.py); the Prefect API only basic auth with `prefect-auth`; Dask only TLS
 clients with a certificate from the stack's CA (`dask-tls/`, infra/dask_tls.py).
@@ -329,8 +330,9 @@ class Stack:
 
     def _ensure_s3(self) -> None:
         """Start (or reuse) `weed mini` (infra/seaweed.py, state in <state>/seaweed). Its key
-        pair goes into the `local` storage block (`rollart deploy`); a run's flow process reads
-        it there and hands it to the workers whose stages use the store."""
+        pair goes into the prefect-aws blocks `aws-credentials/local-s3` and `s3-bucket/local`
+        (`rollart up`, `rollart deploy`), which the `local` storage block references; a run's
+        flow process reads it there and hands it to the workers whose stages use the store."""
         try:
             from infra import seaweed
         except ImportError:  # no local S3 in this checkout: runs store on local disk
