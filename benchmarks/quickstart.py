@@ -4,7 +4,7 @@ Clones this repository's HEAD into a temporary directory, times the set-up (`mak
 the training run (`make train`) separately, and timestamps every progress row `make train`
 prints, so `time_to_0_9_s` is the time from the start of `make train` (venv present) to the
 first greedy evaluation >= 0.9. Stops the clone's Prefect server afterwards (`make down`).
-Needs port 4200 free (the README's server); run it on an otherwise idle machine.
+Needs port 4200 free (the quickstart's Prefect server); run it on an otherwise idle machine.
 
     .venv/bin/python benchmarks/quickstart.py --runs 3  # -> results/quickstart.json
 

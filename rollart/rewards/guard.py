@@ -17,7 +17,7 @@ All four are `HandlerFailure`s, which the client turns into the run's `reward.on
 (retry, zero, fail), as the Lambda client does with a FunctionError. The children start from
 a dedicated long-lived thread, because PR_SET_PDEATHSIG follows the *thread* that forked: a
 Dask task thread or an episode thread that ends would otherwise kill them. Per call the cost is
-two pipe messages of JSON (measured: README, Security model, "Reward handlers, bounded").
+two pipe messages of JSON (measured: docs/guides/security.md, "Reward handlers, bounded").
 
 On Lambda (the local endpoint or AWS) the function's own timeout and memory size bound the
 handler instead: the endpoint kills a worker past the timeout and caps its memory.

@@ -17,7 +17,7 @@ timeouts where epoll rounds every wait up to a whole millisecond; with `rollout.
 it polls that long before each sleep (PollingSelector). `rollout.event_loop: uvloop`
 runs scheduling, timers and wake-ups in C: less CPU per turn on a lightly loaded loop, but its
 timers count whole milliseconds, and benchmarks/rollout_scale.py measured a higher turn
-overhead p99 on it (see the README).
+overhead p99 on it (docs/concepts/rollout.md).
 
 Handles whose method is a coroutine function (in-process async engines and env hosts, such as the
 emulated ones of benchmarks/rollout_scale.py) are awaited on the loop. Anything else (a Dask actor,
