@@ -13,7 +13,7 @@ ARGS ?=
 # prefect's fastapi is put back (vLLM's offline engine does not use fastapi).
 VLLM_CPU ?= 1
 
-.PHONY: venv train test test-unit lint docs bench bench-engines peer bench-vs-trl clean down
+.PHONY: venv train test test-unit lint typecheck docs bench bench-engines peer bench-vs-trl clean down
 
 venv: $(STAMP)
 
@@ -44,6 +44,11 @@ test-unit: venv
 
 lint: venv
 	$(BIN)/ruff check .
+
+# mypy over rollart/ ([tool.mypy] in pyproject.toml): the typed seams between the driver, the
+# stages and the services (rollart/service_protocols.py, rollart.handles.call).
+typecheck: venv
+	$(BIN)/mypy
 
 # The docs site (mkdocs.yml, docs/) into site/: --strict fails on a broken link, a page missing
 # from the nav or a results file the benchmarks table cannot read.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from distributed import Client
@@ -27,6 +27,7 @@ from rollart.handles import call
 from rollart.rollout.env_host import EnvHostService
 from rollart.rollout.shards import ShardedRollout
 from rollart.run import RunSpec
+from rollart.service_protocols import EngineAPI, RolloutAPI, TrainerAPI
 from rollart.services import EngineService, RolloutServiceActor, TrainerService
 from rollart.services.trainer_group import TrainerGroup
 from rollart.storage.background import flush_all
@@ -100,10 +101,11 @@ class DaskServices:
         self.engine_addr.clear()
         self.building.clear()
 
-    def _actor(self, cls: type, *args: Any, **where: Any) -> Actor:
+    def _actor(self, cls: type, *args: Any, **where: Any) -> Any:
+        """An actor of `cls` (typed by the caller: a service's Protocol)."""
         return self.client.submit(cls, self.run, *args, actor=True, **where).result()
 
-    def trainer(self) -> Actor | TrainerGroup:
+    def trainer(self) -> TrainerAPI:
         # A key per attempt: a restarted run never gets the lost trainer's key (which Dask may
         # still be re-creating on the restarted worker) back as its "new" trainer.
         hw = self.roles["trainer"]
@@ -113,9 +115,9 @@ class DaskServices:
             log.warning("%d of %d trainer-class workers: the trainer resumes on %d rank(s)",
                         world, want, world)
         if world <= 1:
-            actor = self._actor(TrainerService, resources={hw: 1},
-                                key=f"trainer-{self.run.run_id}-{self.attempt}")
-            self.placed("trainer_service", call(actor, "where"))
+            actor: TrainerAPI = self._actor(TrainerService, resources={hw: 1},
+                                            key=f"trainer-{self.run.run_id}-{self.attempt}")
+            self.placed("trainer_service", call(actor).where())
             return actor
         return self._trainer_group(world)
 
@@ -142,17 +144,17 @@ class DaskServices:
         self.placed("trainer_service", group.where())
         return group
 
-    def engines(self) -> list[Actor]:
+    def engines(self) -> list[EngineAPI]:
         cfg, run_id = self.run.cfg, self.run.run_id
         out = []
         for r, hw in enumerate(cfg.cluster.engine_classes(cfg.engine.replicas)):
-            actor = self._actor(EngineService, r, resources={hw: 1},
-                                key=f"engine-{run_id}-{self.attempt}-{r}")
-            self.engine_addr[r] = self.placed("engine_service", call(actor, "where"))["address"]
+            actor: EngineAPI = self._actor(EngineService, r, resources={hw: 1},
+                                           key=f"engine-{run_id}-{self.attempt}-{r}")
+            self.engine_addr[r] = self.placed("engine_service", call(actor).where())["address"]
             out.append(actor)
         return out
 
-    def replace_engine(self, index: int) -> Actor | None:
+    def replace_engine(self, index: int) -> EngineAPI | None:
         """A new replica `index` on a worker of its class that holds no other replica (one
         that (re)joined), or None while there is none or it is still being built (the next
         call picks it up: one creation per replica at a time). The lost replica's own worker is
@@ -165,9 +167,9 @@ class DaskServices:
             del self.building[index]
             if fut.status != "finished":  # its worker went too: try another at the next call
                 return None
-            actor = fut.result()
+            actor: EngineAPI = fut.result()
             self.engine_addr[index] = self.placed("engine_service",
-                                                  call(actor, "where"))["address"]
+                                                  call(actor).where())["address"]
             return actor
         hw = cfg.cluster.engine_classes(cfg.engine.replicas)[index]
         taken = set(self.engine_addr.values()) | {a for _, a in self.building.values()}
@@ -181,7 +183,8 @@ class DaskServices:
             ), free[0])
         return None
 
-    def engine_ref(self, engine: Actor) -> tuple[str, str]:
+    def engine_ref(self, engine: Any) -> tuple[str, str]:
+        """(actor key, worker address) of an engine actor."""
         return engine.key, engine._address
 
     def env_hosts(self) -> list[Actor]:
@@ -190,29 +193,30 @@ class DaskServices:
                             key=f"env-host-{self.run.run_id}-{self.attempt}-{i}")
                 for i, addr in enumerate(workers)]
 
-    def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Any:
+    def rollout(self, engines: list[EngineAPI], hosts: list[Any], version: int) -> RolloutAPI:
         """The rollout service as an actor, or with `rollout.shards` n > 1 a ShardedRollout of
         n actors, shard k on env worker k mod (env workers)."""
         # The rollout service reaches hosts by (key, address), not as task dependencies: a lost
         # env worker must not take the service's own actor down with it. It lives with the first
         # env host(s); losing that worker ends the run (resume from the last checkpoint).
-        refs = [(h.key, self.placed("env_host", call(h, "stats"))["address"]) for h in hosts]
+        refs = [(h.key, self.placed("env_host", call(h).stats())["address"]) for h in hosts]
         engine_refs = [self.engine_ref(e) for e in engines]
         n, workers = self.run.cfg.rollout.shards, self.classes[self.roles["env"]]
         self.rollouts += 1
         if n == 1:
             again = f"-g{self.rollouts}" if self.rollouts > 1 else ""
-            return self.client.submit(
+            # The actor answers `take_batch` with its coroutine's value: it is a RolloutAPI.
+            return cast(RolloutAPI, self.client.submit(
                 RolloutServiceActor, self.run, engine_refs, refs, version, actor=True,
                 workers=[workers[0]], key=f"rollout-{self.run.run_id}-{self.attempt}{again}",
-            ).result()
+            ).result())
         futures = [self.client.submit(
             RolloutServiceActor, self.run, engine_refs, refs, version, (k, n), actor=True,
             workers=[workers[k % len(workers)]],
             key=f"rollout-{self.run.run_id}-{self.attempt}-s{k}") for k in range(n)]
-        shards = [f.result() for f in futures]
+        shards: list[RolloutServiceActor] = [f.result() for f in futures]
         for s in shards:
-            self.placed("rollout_shard", call(s, "where"))
+            self.placed("rollout_shard", call(s).where())
         return ShardedRollout(shards)
 
     def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]:

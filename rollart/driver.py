@@ -29,6 +29,7 @@ from rollart.handles import call, release, set_call_timeout
 from rollart.metric_sinks import make_sinks
 from rollart.recovery import EngineSupervisor, rebuild_rollout
 from rollart.run import RunSpec
+from rollart.service_protocols import EngineAPI, ReplacesEngines, RolloutAPI, TrainerAPI
 from rollart.spans import SPAN, busy_seconds, info_of
 
 # The hardware-class role (a key of `cluster.stages`) each stage runs on.
@@ -64,10 +65,10 @@ class StageRunner(Protocol):
 class ServiceFactory(Protocol):
     """Creates the run's long-lived services where they belong."""
 
-    def trainer(self) -> Any: ...
-    def engines(self) -> list[Any]: ...
+    def trainer(self) -> TrainerAPI: ...
+    def engines(self) -> Sequence[EngineAPI]: ...
     def env_hosts(self) -> list[Any]: ...
-    def rollout(self, engines: list[Any], hosts: list[Any], version: int) -> Any: ...
+    def rollout(self, engines: list[EngineAPI], hosts: list[Any], version: int) -> RolloutAPI: ...
     def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]: ...
     def flush_shards(self) -> int: ...
 
@@ -140,10 +141,10 @@ def control_plane_metrics(infos: dict[str, dict[str, Any]], start: float,
 
 @dataclass
 class Services:
-    trainer: Any
-    engines: list[Any]
+    trainer: TrainerAPI
+    engines: list[EngineAPI]
     hosts: list[Any]
-    rollout: Any = None
+    rollout: RolloutAPI
 
 
 @dataclass
@@ -191,7 +192,7 @@ class IterationDriver:
         info = self.runner.info
         self.placed("prepare", info(self.runner.submit("prepare", self.run)))
         f = self.factory
-        trainer, engines, hosts = f.trainer(), f.engines(), f.env_hosts()
+        trainer, engines, hosts = f.trainer(), list(f.engines()), f.env_hosts()
         first = 0
         if resume_step is not None:  # trainer state, ledger, engine RNG; weights synced below
             self.restored = stages.restore(trainer, engines, resume_step)
@@ -201,18 +202,18 @@ class IterationDriver:
             self._evaluate_initial(engines)
         rollout = f.rollout(engines, hosts, first)
         if self.restored is not None:  # async runs: the groups it held at the checkpoint
-            state, pending = call(trainer, "take_rollout_state")
+            state, pending = call(trainer).take_rollout_state()
             if state is not None:
-                self.restored["rollout"] = call(rollout, "restore_state", state, pending)
-        self.placed("rollout_service", call(rollout, "start") or {})
+                self.restored["rollout"] = call(rollout).restore_state(state, pending)
+        self.placed("rollout_service", call(rollout).start() or {})
         self.svc = Services(trainer, engines, hosts, rollout)
-        if hasattr(f, "replace_engine"):  # replicas on workers that can be lost: bring them back
+        if isinstance(f, ReplacesEngines):  # replicas on workers that can be lost: bring them back
             self.supervisor = EngineSupervisor(engines, trainer, rollout, f, stages.push_weights)
             self.supervisor.start()
         self.t_start = time.perf_counter()
         return first
 
-    def _evaluate_initial(self, engines: list[Any]) -> None:
+    def _evaluate_initial(self, engines: list[EngineAPI]) -> None:
         """`eval.before_training`: the initial policy's greedy evaluation, before any episode
         of the run starts, as the metrics row of iteration -1 (version 0)."""
         got = self.placed("evaluate", self.runner.info(self.runner.submit(
@@ -263,10 +264,11 @@ class IterationDriver:
         saved = None
         if ckpt is not None:
             saved = infos["checkpoint"] = placed("checkpoint", info(ckpt))
-            call(sv.rollout, "set_version", plan.step)  # engines serve it: episodes may start
-            m["perf/checkpoint_s"] = saved["save_s"]  # blocking part; the upload is below
-            for up in saved.get("uploaded", []):  # background uploads finished since
-                m["perf/checkpoint_upload_s"] = up["result"]["upload_s"]
+            call(sv.rollout).set_version(plan.step)  # engines serve it: episodes may start
+            got_ckpt = stages.CheckpointSaved.of(saved)
+            m["perf/checkpoint_s"] = got_ckpt.save_s  # blocking part; the upload is below
+            for upload_s in got_ckpt.upload_s:  # background uploads finished since
+                m["perf/checkpoint_upload_s"] = upload_s
         if ev is not None:
             infos["evaluate"] = placed("evaluate", info(ev))
             m.update(infos["evaluate"]["metrics"])
@@ -305,12 +307,12 @@ class IterationDriver:
                 break
         return curve
 
-    def serving(self) -> list[Any]:
+    def serving(self) -> list[EngineAPI]:
         """The engine replicas in rotation (all of them without a supervisor)."""
         assert self.svc is not None
         return self.supervisor.serving() if self.supervisor else list(self.svc.engines)
 
-    def slots(self) -> list[Any]:
+    def slots(self) -> list[EngineAPI | None]:
         """One entry per replica index, None for a lost one."""
         assert self.svc is not None
         return self.supervisor.slots() if self.supervisor else list(self.svc.engines)
@@ -322,7 +324,7 @@ class IterationDriver:
         saved = self.placed("checkpoint", self.runner.info(self.runner.submit(
             "checkpoint", sv.trainer, plan.step, {"iteration": plan.iteration}, self.slots(),
             sv.rollout)))
-        call(sv.rollout, "set_version", plan.step)
+        call(sv.rollout).set_version(plan.step)
         return saved
 
     # ---- finish --------------------------------------------------------------------------
@@ -332,18 +334,18 @@ class IterationDriver:
         assert self.svc is not None, "start() first"
         sv = self.svc
         self._stop_supervisor()
-        rollout_stats = call(sv.rollout, "stop")
+        rollout_stats = call(sv.rollout).stop()
         rollout_stats["engines_revived"] = self.supervisor.events if self.supervisor else []
         rollout_stats["rebuilt"] = self.rollout_rebuilds
         rollout_stats["env_hosts"] = self.factory.host_stats(sv.hosts)
         # Waits for uploads as long as they take (each store operation has its own retry
         # budget, storage.retry_timeout_s): a large checkpoint may outlast any call deadline.
-        uploads = call(sv.trainer, "flush_checkpoints", timeout=None)
+        uploads = call(sv.trainer, timeout=None).flush_checkpoints()
         shards = self.factory.flush_shards()
         self._close_sinks()
-        prints = {"trainer": call(sv.trainer, "fingerprint"),
-                  "engine": call(self.serving()[0], "fingerprint")}
-        call(sv.trainer, "close")  # a sharded trainer's ranks leave their group
+        prints = {"trainer": call(sv.trainer).fingerprint(),
+                  "engine": call(self.serving()[0]).fingerprint()}
+        call(sv.trainer).close()  # a sharded trainer's ranks leave their group
         return {"rollout": rollout_stats, "uploads": uploads, "shards_flushed": shards,
                 "fingerprints": prints}
 
@@ -369,6 +371,6 @@ class IterationDriver:
         self._stop_supervisor()
         if self.svc is not None and self.svc.rollout is not None:
             try:
-                call(self.svc.rollout, "stop")
+                call(self.svc.rollout).stop()
             except Exception:  # its worker may be the thing that failed
                 pass

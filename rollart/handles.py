@@ -11,8 +11,9 @@ caller's thread: nothing crosses a worker, so there is nothing to time out.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 DEFAULT_CALL_TIMEOUT_S = 600.0  # = ClusterConfig.call_timeout_s's default
 PRESENCE_POLL_S = 5.0  # a waiting call asks whether its service's worker is still there
@@ -23,6 +24,8 @@ BUSY_FACTOR = 4.0
 HEARTBEAT_WINDOW_S = 10.0
 ALIVE_POLL_S = 2.0
 _call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S
+Deadline = float | None | Literal["default"]  # a call's `timeout`: "default" is the process's
+T = TypeVar("T")
 
 
 class CallTimeoutError(TimeoutError):
@@ -44,18 +47,66 @@ def service_name(handle: Any) -> str:
     return getattr(getattr(handle, "_cls", None), "__name__", None) or type(handle).__name__
 
 
-def call(handle: Any, method: str, *args: Any, timeout: float | None | str = "default",
+class _Calls:
+    """What `call(handle)` returns: `.method(*args)` calls `handle.method` through `invoke`
+    (the deadline and errors of `call`), and returns the method's answer. Typed as the handle's
+    own type, so a type checker verifies the method and its arguments (see `call`)."""
+
+    __slots__ = ("_handle", "_invoke")
+
+    def __init__(self, handle: Any, invoke: Callable[..., Any]) -> None:
+        self._handle, self._invoke = handle, invoke
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):  # copy, pickle and the like: not a service method
+            raise AttributeError(method)
+        invoke, handle = self._invoke, self._handle
+
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            return invoke(handle, method, args, kwargs)
+
+        bound.__name__ = bound.__qualname__ = method
+        return bound
+
+    def __repr__(self) -> str:
+        return f"call({service_name(self._handle)})"
+
+
+@overload
+def call(handle: T, *, timeout: Deadline = "default", while_alive: bool = False) -> T: ...
+
+
+@overload
+def call(handle: Any, method: str, *args: Any, timeout: Deadline = "default",
+         while_alive: bool = False) -> Any: ...
+
+
+def call(handle: Any, method: str | None = None, *args: Any, timeout: Deadline = "default",
          while_alive: bool = False) -> Any:
-    """A Dask actor call (returns a future) or a plain method call, uniformly. `timeout`:
-    seconds, None for no deadline (a call that waits for data by design), or the process's
-    deadline (`set_call_timeout`) by default. A call with a deadline also ends early, with
-    `ServiceLostError`, once the service's worker has left the cluster (checked every
+    """A Dask actor call (returns a future) or a plain method call, uniformly.
+
+    Typed form: `call(handle, timeout=..., while_alive=...).method(*args)`, one call of
+    `handle.method`. `call(handle)` is typed as `handle`'s own type (a Protocol of
+    `rollart.service_protocols` for a service), so a type checker verifies the method's name,
+    its arguments and its answer's use; at run time it is a small proxy whose methods make
+    the call below. The untyped form `call(handle, "method", *args)` does the same.
+
+    `timeout`: seconds, None for no deadline (a call that waits for data by design), or the
+    process's deadline (`set_call_timeout`) by default. A call with a deadline also ends early,
+    with `ServiceLostError`, once the service's worker has left the cluster (checked every
     `PRESENCE_POLL_S` of waiting): a dead worker's call otherwise lasts the whole deadline.
     `while_alive`: for a call whose duration grows with the work (a policy update), the
     deadline is one of liveness: past it the call goes on while its worker still sends
     heartbeats (slow, not lost), up to `BUSY_FACTOR` x the deadline; a worker that sent none
     within `HEARTBEAT_WINDOW_S` (stopped, hung) fails it at the deadline as before."""
-    out = getattr(handle, method)(*args)
+    if method is None:
+        return _Calls(handle, lambda h, m, a, kw: _call(h, m, a, kw, timeout, while_alive))
+    return _call(handle, method, args, {}, timeout, while_alive)
+
+
+def _call(handle: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+          timeout: Deadline, while_alive: bool) -> Any:
+    out = getattr(handle, method)(*args, **kwargs)
     if not (hasattr(out, "result") and callable(out.result)):
         return out
     limit = _call_timeout_s if timeout == "default" else timeout
@@ -162,12 +213,29 @@ def _worker_present(handle: Any) -> bool:
     return not workers or address in workers  # no worker listed at all: not an answer
 
 
-def call_while_present(handle: Any, method: str, *args: Any, poll_s: float = 5.0) -> Any:
+@overload
+def call_while_present(handle: T, *, poll_s: float = 5.0) -> T: ...
+
+
+@overload
+def call_while_present(handle: Any, method: str, *args: Any, poll_s: float = 5.0) -> Any: ...
+
+
+def call_while_present(handle: Any, method: str | None = None, *args: Any,
+                       poll_s: float = 5.0) -> Any:
     """A call with no deadline (it waits for data by design, e.g. a batch of rollouts) that
     still fails, with `ServiceLostError`, once the service's worker has left the cluster: a
     call to a dead worker's actor otherwise waits for ever (Dask waits for the actor to be
-    re-created, and an actor pinned to its worker never is)."""
-    out = getattr(handle, method)(*args)
+    re-created, and an actor pinned to its worker never is). Typed form, as `call`'s:
+    `call_while_present(handle, poll_s=...).method(*args)`."""
+    if method is None:
+        return _Calls(handle, lambda h, m, a, kw: _call_while_present(h, m, a, kw, poll_s))
+    return _call_while_present(handle, method, args, {}, poll_s)
+
+
+def _call_while_present(handle: Any, method: str, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], poll_s: float) -> Any:
+    out = getattr(handle, method)(*args, **kwargs)
     if not (hasattr(out, "result") and callable(out.result)):
         return out
     while True:

@@ -1,7 +1,8 @@
 """The stage bodies of one RL iteration, free of Prefect: `tasks/` wraps each in a @task.
 
 Services are passed as handles (Dask actors in a run, or plain service objects in tests and
-benchmarks); `call` hides the difference between an actor future and a direct return.
+benchmarks), typed by their Protocols (`rollart/service_protocols.py`); `call(handle).method(...)`
+hides the difference between an actor future and a direct return, and is checked by mypy.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -32,9 +34,13 @@ from rollart.rollout.failover import is_replica_loss
 from rollart.rollout.plan import plan_eval
 from rollart.rollout.setup import sampling_params
 from rollart.run import RunSpec
+from rollart.service_protocols import EngineAPI, RolloutAPI, TrainerAPI
 from rollart.spans import timed_stage
 from rollart.storage.background import shard_writer
-from rollart.types import SamplingParams, Trajectory
+from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def run_stage(stage: str, *args: Any, call_timeout_s: float | None = None,
@@ -64,7 +70,7 @@ def prepare(run: RunSpec) -> dict[str, Any]:
     return {"vocab_size": vocab, "store": store.url, **worker_identity()}
 
 
-def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
+def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[EngineAPI],
                     params: SamplingParams,
                     on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Split episodes across engine replicas (contiguous, so groups stay together)."""
@@ -73,12 +79,12 @@ def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
     chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
     per_task = constrained_params(params, chat, run.cfg.tasks, run.cfg.engine.answer_grammar)
 
-    def generate(i: int, reqs: list) -> list:
+    def generate(i: int, reqs: list[GenerationRequest]) -> list[Completion]:
         """On replica i, or the next one that answers when i is lost (a turn's request holds
         the whole conversation, so any replica can serve it)."""
         for k in range(n):
             try:
-                return call(engines[(i + k) % n], "generate", reqs)
+                return call(engines[(i + k) % n]).generate(reqs)
             except Exception as err:
                 if not is_replica_loss(err) or k == n - 1:
                     raise
@@ -95,14 +101,14 @@ def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Any],
 
 
 @timed_stage
-def collect(rollout: Any, iteration: int) -> tuple[list[Trajectory], dict[str, Any]]:
+def collect(rollout: RolloutAPI, iteration: int) -> tuple[list[Trajectory], dict[str, Any]]:
     """The complete, scored groups for update `iteration` from the rollout service. Episodes
     ran (and were rewarded as each ended) while earlier updates trained, as far as
     `rollout.max_staleness` allows; this waits only for what is still missing."""
     t0 = time.perf_counter()
     # Waits for data, as long as rollouts take: no call deadline (episodes have their own),
     # but not past the loss of the rollout service's worker.
-    trajs, info = call_while_present(rollout, "take_batch", iteration)
+    trajs, info = call_while_present(rollout).take_batch(iteration)
     m = info["metrics"]
     m["perf/rollout_s"] = time.perf_counter() - t0  # time the trainer waited for rollouts
     return trajs, {**info, **worker_identity()}
@@ -140,18 +146,18 @@ def score(run: RunSpec, iteration: int,
 
 
 @timed_stage
-def update(trainer: Any, scored: Any, step: int | None = None) -> dict[str, Any]:
+def update(trainer: TrainerAPI, scored: Any, step: int | None = None) -> dict[str, Any]:
     """The policy update `step` (the trainer refuses any other than its next one)."""
     t0 = time.perf_counter()
     dropped = scored[1].get("dropped") if isinstance(scored, tuple) else None
     # Slow is not lost: past the call deadline it goes on while the trainer's worker beats.
-    out = call(trainer, "update", trajectories_of(scored), dropped, step, while_alive=True)
+    out = call(trainer, while_alive=True).update(trajectories_of(scored), dropped, step)
     out["metrics"]["perf/update_s"] = time.perf_counter() - t0
     return {**out, "caller": worker_identity()}
 
 
 @timed_stage
-def sync_weights(trainer: Any, engines: list[Any], rollout: Any = None,
+def sync_weights(trainer: TrainerAPI, engines: list[EngineAPI], rollout: RolloutAPI | None = None,
                  step: int | None = None) -> dict[str, Any]:
     """Trainer -> engines, worker to worker through this task (runs on an engine worker), or
     through the store (`storage.sync_via_store`: trainer publishes weights/v{n}, engines pull).
@@ -160,29 +166,30 @@ def sync_weights(trainer: Any, engines: list[Any], rollout: Any = None,
     (its staleness clock counts updates; a skipped update leaves the weight version alone)."""
     out = push_weights(trainer, engines)
     if rollout is not None:
-        call(rollout, "set_version", out["version"] if step is None else step)
+        call(rollout).set_version(out["version"] if step is None else step)
     return out
 
 
-def _tolerant(engine: Any, method: str, *args: Any) -> Any | None:
-    """A call to an engine replica; None when the replica turns out to be lost (its worker died
-    or hung past the deadline): the rollout service fails it over, the supervisor brings it
-    back (rollart/recovery.py), and this stage goes on with the others."""
+def _tolerant(method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R | None:
+    """A call to an engine replica (`_tolerant(call(engine).method, *args)`); None when the
+    replica turns out to be lost (its worker died or hung past the deadline): the rollout
+    service fails it over, the supervisor brings it back (rollart/recovery.py), and this stage
+    goes on with the others."""
     try:
-        return call(engine, method, *args)
+        return method(*args, **kwargs)
     except Exception as err:
         if is_replica_loss(err):
             return None
         raise
 
 
-def push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
+def push_weights(trainer: TrainerAPI, engines: list[EngineAPI]) -> dict[str, Any]:
     """The trainer's current weights into `engines`; a replica lost on the way is skipped
     (`skipped`: positions in `engines`, `perf/sync_skipped`)."""
     t0 = time.perf_counter()
-    if call(trainer, "sync_via_store"):
-        pub = call(trainer, "publish_weights")
-        got = [_tolerant(e, "pull_weights", pub["version"]) for e in engines]
+    if call(trainer).sync_via_store():
+        pub = call(trainer).publish_weights()
+        got = [_tolerant(call(e).pull_weights, pub["version"]) for e in engines]
         pulls = [p for p in got if p is not None]
         return {
             "version": pub["version"],
@@ -199,11 +206,14 @@ def push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
         }
     # Same host: engines copy from the trainer's /dev/shm file; every other engine gets the
     # weights straight from the trainer's process, streamed along a chain of engines.
-    shared = call(trainer, "share_weights") if call(trainer, "shared_memory_sync") else None
-    pauses, skipped, remote, via_shm = [], [], [], 0
+    shared = call(trainer).share_weights() if call(trainer).shared_memory_sync() else None
+    pauses: list[float] = []
+    skipped: list[int] = []
+    remote: list[int] = []
+    via_shm = 0
     for i, e in enumerate(engines):
         try:  # None from the call: it cannot map the file (another host)
-            out = call(e, "load_shared_weights", shared) if shared else None
+            out = call(e).load_shared_weights(shared) if shared else None
         except Exception as err:
             if not is_replica_loss(err):
                 raise
@@ -221,7 +231,7 @@ def push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
     elif streamed.get("version") is not None:
         version = streamed["version"]
     else:  # nothing was sent (every replica lost): still say which version is current
-        version = call(trainer, "weight_version")
+        version = call(trainer).weight_version()
     return {
         "version": version,
         "skipped": sorted(skipped),
@@ -237,7 +247,7 @@ def push_weights(trainer: Any, engines: list[Any]) -> dict[str, Any]:
     }
 
 
-def _stream(trainer: Any, engines: list[Any], which: list[int],
+def _stream(trainer: TrainerAPI, engines: list[EngineAPI], which: list[int],
             skipped: list[int]) -> dict[str, Any]:
     """Weights from the trainer's process to engines `which`, one pipelined stream through
     them all (rollart/engines/weight_stream.py): the flow process passes only addresses and a
@@ -248,22 +258,23 @@ def _stream(trainer: Any, engines: list[Any], which: list[int],
         token = secrets.token_bytes(32)
         chain: list[tuple[int, tuple[str, int]]] = []
         for i in which:
-            addr = _tolerant(engines[i], "open_weight_stream", token, timeout_s)
+            addr = _tolerant(call(engines[i]).open_weight_stream, token, timeout_s)
             if addr is None:
                 skipped.append(i)
             else:
-                chain.append((i, tuple(addr)))
+                chain.append((i, (addr[0], addr[1])))
         if not chain:
             return {}
         try:
-            sent = call(trainer, "stream_weights", [a for _, a in chain], token, timeout_s,
-                        while_alive=True)
-            outs = [(i, _tolerant(engines[i], "finish_weight_stream", timeout_s))
+            sent = call(trainer, while_alive=True).stream_weights([a for _, a in chain], token,
+                                                                  timeout_s)
+            outs = [(i, _tolerant(call(engines[i]).finish_weight_stream, timeout_s))
                     for i, _ in chain]
         except Exception:
             for i, _ in chain:
-                _tolerant(engines[i], "abort_weight_stream")
-            lost = [i for i, _ in chain if _tolerant(engines[i], "weight_version") is None]
+                _tolerant(call(engines[i]).abort_weight_stream)
+            lost = [i for i, _ in chain
+                    if _tolerant(call(engines[i]).weight_version) is None]
             if attempt == 1 or not lost:
                 raise
             skipped.extend(lost)
@@ -276,37 +287,56 @@ def _stream(trainer: Any, engines: list[Any], which: list[int],
     return {}
 
 
+@dataclass(frozen=True)
+class CheckpointSaved:
+    """What the driver reads of the checkpoint stage's info dict (`CheckpointSaved.of`); the
+    dict itself (`info`) is what the run records (flow artifacts, IterationResult.checkpoint)."""
+
+    path: str
+    save_s: float  # the snapshot's blocking part; the upload runs in the background
+    upload_s: tuple[float, ...]  # background uploads that finished since the last checkpoint
+    info: dict[str, Any]
+
+    @classmethod
+    def of(cls, info: dict[str, Any]) -> CheckpointSaved:
+        return cls(path=str(info["path"]), save_s=float(info["save_s"]),
+                   upload_s=tuple(float(up["result"]["upload_s"])
+                                  for up in info.get("uploaded", [])),
+                   info=info)
+
+
 @timed_stage
-def checkpoint(trainer: Any, step: int, meta: dict[str, Any],
-               engines: list[Any] | None = None, rollout: Any = None) -> dict[str, Any]:
+def checkpoint(trainer: TrainerAPI, step: int, meta: dict[str, Any],
+               engines: list[EngineAPI | None] | None = None,
+               rollout: RolloutAPI | None = None) -> dict[str, Any]:
     """Snapshot trainer state, sample ledger, the engines' sampling RNG (exact resume) and the
     rollout service's unconsumed groups (async runs: rollart/rollout/snapshot.py); the trainer
     uploads it in the background, so this returns before the upload ends."""
     # A lost replica's slot (None, or lost on the way) records no state: it resumes unseeded.
-    engine_rng = [(_tolerant(e, "rng_state") if e is not None else None) or b""
+    engine_rng = [(_tolerant(call(e).rng_state) if e is not None else None) or b""
                   for e in engines or []]
-    state, pending = call(rollout, "snapshot") if rollout is not None else (None, [])
-    return {**call(trainer, "save_checkpoint", step, meta, engine_rng or None, pending or None,
-                   state, while_alive=True),
-            "caller": worker_identity()}
+    state, pending = call(rollout).snapshot() if rollout is not None else (None, [])
+    saved = call(trainer, while_alive=True).save_checkpoint(step, meta, engine_rng or None,
+                                                             pending or None, state)
+    return {**saved, "caller": worker_identity()}
 
 
 @timed_stage
-def load_checkpoint_weights(engine: Any, step: int) -> dict[str, Any]:
+def load_checkpoint_weights(engine: EngineAPI, step: int) -> dict[str, Any]:
     """Evaluation of a finished run: the engine serves checkpoint `step` (verified)."""
-    return call(engine, "load_checkpoint", step)
+    return call(engine).load_checkpoint(step)
 
 
-def restore(trainer: Any, engines: list[Any], step: int) -> dict[str, Any]:
+def restore(trainer: TrainerAPI, engines: list[EngineAPI], step: int) -> dict[str, Any]:
     """Load checkpoint `step` into the trainer (weights, optimizer, RNG, ledger) and the engines'
     sampling RNG; the caller then syncs weights so the engines serve the restored version."""
-    info = call(trainer, "load_checkpoint", step, while_alive=True)
-    info["engine_rng_restored"] = [call(e, "restore_rng", step) for e in engines]
+    info = call(trainer, while_alive=True).load_checkpoint(step)
+    info["engine_rng_restored"] = [call(e).restore_rng(step) for e in engines]
     return info
 
 
 @timed_stage
-def evaluate(run: RunSpec, engines: list[Any], episodes: int) -> dict[str, Any]:
+def evaluate(run: RunSpec, engines: list[EngineAPI], episodes: int) -> dict[str, Any]:
     """Greedy episodes on held-out seeds."""
     t0 = time.perf_counter()
     if not engines:  # every replica is lost at the moment: skip, say so

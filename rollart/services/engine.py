@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol, cast
 from urllib.parse import urlparse
 
 import safetensors.torch
@@ -17,6 +17,7 @@ import torch
 
 from rollart.cpu_pinning import pin_to_class
 from rollart.engines import make_engine
+from rollart.engines.base import InferenceEngine
 from rollart.engines.shared_weights import read_shared
 from rollart.engines.weight_stream import WeightReceiver
 from rollart.handles import set_call_timeout, worker_identity
@@ -38,6 +39,15 @@ from rollart.types import Completion, GenerationRequest
 log = logging.getLogger("rollart")
 
 
+class ServedEngine(InferenceEngine, Protocol):
+    """What this service uses of its engine beyond `InferenceEngine` (both backends have it):
+    the served model (checkpoint checks, fingerprints) and the sampling generator (exact
+    resume)."""
+
+    model: torch.nn.Module
+    generator: torch.Generator
+
+
 class EngineService:
     """One inference engine replica (`engine.backend`: hf or vllm)."""
 
@@ -54,9 +64,9 @@ class EngineService:
         self.hw_class = cfg.cluster.engine_classes(cfg.engine.replicas)[replica]
         pin_to_class(cfg.cluster.cpu_cores, self.hw_class)  # before vLLM binds its threads
         slow = emulation_factors(cfg).get(self.hw_class)
-        self.engine = make_engine(cfg, model, tok, seed=cfg.seed * 1000 + replica,
-                                  weight_version=-1,
-                                  **({"emulate": slow} if slow is not None else {}))
+        self.engine = cast(ServedEngine, make_engine(
+            cfg, model, tok, seed=cfg.seed * 1000 + replica, weight_version=-1,
+            **({"emulate": slow} if slow is not None else {})))
         self.replica = replica
         self.identity = worker_identity()
         self.sync_pauses: list[float] = []

@@ -98,7 +98,7 @@ class TrainerService:
         """The current weights straight to the engines listening at `chain` (a pipeline:
         each forwards to the next); every rank gathers, rank 0 sends (rollart/train/
         stream_out.py)."""
-        return {**stream_weights(self.trainer, [tuple(a) for a in chain], token, timeout_s),
+        return {**stream_weights(self.trainer, [(a[0], a[1]) for a in chain], token, timeout_s),
                 "version": self.trainer.version}
 
     def weight_version(self) -> int:
