@@ -145,19 +145,11 @@ def test_credentials_from_a_prefect_secret_block(aws_env, prefect_api, monkeypat
 
 
 def test_credentials_from_an_aws_credentials_block(aws_env, prefect_api, monkeypatch):
-    """prefect-aws's AwsCredentials block (slug `aws-credentials`; its field names and secret
-    type), registered here by a class of the same shape since prefect-aws is not installed."""
-    from prefect.blocks.core import Block
+    """prefect-aws's AwsCredentials block as `storage.credentials_block`."""
+    from prefect_aws import AwsCredentials
     from pydantic import SecretStr
 
     from blocks.secrets import install_credentials_resolver
-
-    class AwsCredentials(Block):
-        _block_type_slug = "aws-credentials"
-        aws_access_key_id: str | None = None
-        aws_secret_access_key: SecretStr | None = None
-        aws_session_token: str | None = None
-        region_name: str | None = None
 
     AwsCredentials(aws_access_key_id=KEY, aws_secret_access_key=SecretStr(SECRET)).save(
         "rollart-aws-test", overwrite=True)
@@ -171,3 +163,71 @@ def test_credentials_from_an_aws_credentials_block(aws_env, prefect_api, monkeyp
         "rollart-aws-wrong", overwrite=True)
     with pytest.raises(StorageError, match="rejected the credentials"):
         check_storage(_cfg(aws_env, "awsblock", credentials_block="rollart-aws-wrong"))
+
+
+def test_run_store_from_prefect_aws_blocks(aws_env, prefect_api, monkeypatch):
+    """The stack's S3 server as prefect-aws blocks (what `rollart up` and `rollart deploy`
+    save): `s3-bucket/NAME` as a flow's storage block, and a RunStorage that references the
+    AwsCredentials document. The keys reach the store through the environment only."""
+    import json
+
+    from prefect import get_client
+
+    from blocks import RunStorage, resolve_blocks
+    from blocks.registration import register_s3_blocks
+    from rollart.config import load_config
+
+    creds, saved = register_s3_blocks({"bucket": aws_env.bucket, "prefix": "pa",
+                                       "endpoint_url": aws_env.endpoint_url,
+                                       "access_key_id": KEY, "secret_access_key": SECRET})
+    assert saved == ["aws-credentials/local-s3", "s3-bucket/local"]
+    RunStorage(bucket=aws_env.bucket, prefix="ours", aws_credentials=creds).save(
+        "rollart-pa-test", overwrite=True)
+    with get_client(sync_client=True) as client:  # the API shows the secret masked
+        doc = client.read_block_document_by_name("local-s3", "aws-credentials",
+                                                 include_secrets=False)
+        ours = client.read_block_document_by_name("rollart-pa-test", "rollart-storage",
+                                                  include_secrets=False)
+    assert SECRET not in json.dumps(doc.data, default=str) + json.dumps(ours.data, default=str)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    for name, root in (("s3-bucket/local", "pa"), ("rollart-pa-test", "ours")):
+        found = resolve_blocks(storage=name)
+        cfg = load_config(None, found.overrides).storage
+        assert cfg.root == f"s3://{aws_env.bucket}/{root}"
+        assert cfg.endpoint_url == aws_env.endpoint_url and cfg.region == "us-east-1"
+        assert SECRET not in json.dumps(found.overrides) + repr(found) + cfg.model_dump_json()
+        assert found.env == {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+        for k, v in found.env.items():
+            monkeypatch.setenv(k, v)
+        check_storage(cfg)
+        RunStore.from_config(cfg, "r").write_text("via-prefect-aws", "1")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+
+
+def test_local_block_documents_reference_prefect_aws_credentials(aws_env, prefect_api):
+    """`rollart deploy`'s documents: the `local` store and rewards hold no key of their own but
+    reference aws-credentials/local-s3 and local-lambda; saving twice (a second deploy) keeps
+    the references valid."""
+    from blocks import resolve_blocks
+    from blocks.registration import register_local_blocks
+    from rollart.config import load_config
+    from rollart.rewards.client import LambdaCredentials
+
+    s3 = {"bucket": aws_env.bucket, "endpoint_url": aws_env.endpoint_url,
+          "access_key_id": KEY, "secret_access_key": SECRET}
+    stack = {"lambda_url": "http://127.0.0.1:9001", "scheduler_address": "tcp://127.0.0.1:1"}
+    for _ in range(2):
+        saved = register_local_blocks(stack, s3=s3,
+                                      lambda_credentials=LambdaCredentials("lk", "lambda-secret"))
+    assert {"aws-credentials/local-s3", "aws-credentials/local-lambda", "s3-bucket/local",
+            "rollart-storage/local", "rollart-lambda-rewards/local"} <= set(saved)
+    found = resolve_blocks(storage="local", rewards="local")
+    assert found.env == {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                         "ROLLART_LAMBDA_ACCESS_KEY_ID": "lk",
+                         "ROLLART_LAMBDA_SECRET_ACCESS_KEY": "lambda-secret"}
+    cfg = load_config(None, found.overrides)
+    assert cfg.storage.root == f"s3://{aws_env.bucket}"
+    assert cfg.storage.endpoint_url == aws_env.endpoint_url
+    assert cfg.reward.endpoint_url == "http://127.0.0.1:9001"
+    assert SECRET not in repr(found) and "lambda-secret" not in repr(found)
