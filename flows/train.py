@@ -29,11 +29,10 @@ from rollart import progress, secrets
 from rollart.config import ConfigError, RunConfig, check_run_id, load_config
 from rollart.dask_services import DaskServices
 from rollart.driver import IterationDriver, IterationResult, Placement
+from rollart.lifecycle import drive_run, started_run
 from rollart.metrics import summary_row
-from rollart.recovery import run_with_restarts
 from rollart.run import RunSpec
-from rollart.storage.lock import run_lock
-from rollart.storage.resume import ResumeError, describe, start_run
+from rollart.storage.resume import ResumeError, describe
 from rollart.storage.s3 import StorageError
 from tasks.stages import PrefectStages, task_runner
 
@@ -81,19 +80,20 @@ def _train(cfg: RunConfig, overrides: list[str], scheduler_address: str | None,
     except ConfigError as err:
         return Failed(message=str(err))
     logger = get_run_logger()
-    lock = None  # one writer per run id: a second train/resume of it fails here, naming us
-    try:  # store reachable with these credentials; resume point; before any cluster starts
-        lock = run_lock(cfg.storage, run_id)
-        cfg, point = start_run(cfg, overrides, run_id, resume=bool(resume), lock=lock)
-    except (StorageError, ResumeError) as err:
-        if lock is not None:
-            lock.release()
-        return Failed(message=str(err))
-    if point is not None:
-        logger.info(describe(point))
-        progress.note(describe(point).capitalize())
     with contextlib.ExitStack() as stack:
-        stack.callback(lock.release)  # last, at the run's end or abort alike
+        # The run's lifecycle (rollart/lifecycle.py), as in the in-process mode: one writer per
+        # run id (a second train/resume of it fails here, naming us), store reachable with
+        # these credentials, run id reuse and resume guards; before any cluster starts. Entered
+        # first, so the lock is released last, at the run's end or abort alike.
+        try:
+            started = stack.enter_context(
+                started_run(cfg, run_id, resume=bool(resume), overrides=overrides))
+        except (StorageError, ResumeError) as err:
+            return Failed(message=str(err))
+        cfg, point = started.cfg, started.point
+        if point is not None:
+            logger.info(describe(point))
+            progress.note(describe(point).capitalize())
         # Before the cluster: the endpoint's key pair is held here and goes to the workers that
         # score rewards (secrets.on_cluster in `iterations`).
         cfg = with_embedded_endpoint(cfg, stack)
@@ -109,7 +109,7 @@ def _train(cfg: RunConfig, overrides: list[str], scheduler_address: str | None,
         if cfg.reward.endpoint_url and cfg.reward.embedded_endpoint:
             progress.note(f"Rewards:         local Lambda endpoint {cfg.reward.endpoint_url}")
         return iterations.with_options(task_runner=task_runner(cfg, address))(
-            RunSpec(cfg, run_id), address, point.step if point else None
+            RunSpec(cfg, run_id), address, started.resume_step
         )
 
 
@@ -133,7 +133,7 @@ def iterations(run: RunSpec, address: str, resume_step: int | None = None) -> di
             client.register_plugin(CredentialsResolverPlugin())
         services = DaskServices(client, run, placed)
 
-        def make_driver(attempt: int) -> IterationDriver:
+        def make_driver(run: RunSpec, attempt: int) -> IterationDriver:
             if attempt:  # a lost trainer or rollout service: new actors where workers are now
                 services.restart()
             return IterationDriver(run, PrefectStages(cfg), services, placed)
@@ -145,9 +145,9 @@ def iterations(run: RunSpec, address: str, resume_step: int | None = None) -> di
             progress.note(f"Restart {r['attempt']}: the {r['lost']} was lost; resumed from "
                           f"checkpoint {r['from_checkpoint']}")
 
-        driver, curve, done, restarts = run_with_restarts(
-            make_driver, RunSpec(cfg, run_id).store(), cfg.cluster.max_restarts, resume_step,
-            report, restarted, probe_timeout_s=cfg.cluster.call_timeout_s)
+        out = drive_run(run, make_driver, resume_step, max_restarts=cfg.cluster.max_restarts,
+                        on_iteration=report, on_restart=restarted)
+        driver, curve, done, restarts = out.driver, out.curve, out.done, out.restarts
         if driver.restored is not None:
             logger.info("Restored checkpoint: policy version %d, ledger %s",
                         driver.restored["version"], driver.restored["ledger"])

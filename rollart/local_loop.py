@@ -5,12 +5,12 @@ unit tests run the same loop as the Prefect flow.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 from rollart.config import RunConfig
 from rollart.driver import InProcessRunner, IterationDriver, IterationResult
+from rollart.lifecycle import run_lifecycle
 from rollart.metrics import summary_row
 from rollart.rollout.env_host import EnvHost
 from rollart.rollout.setup import build_rollout_service
@@ -18,8 +18,6 @@ from rollart.rollout.shards import ShardedRollout
 from rollart.run import RunSpec
 from rollart.services import EngineService, TrainerService
 from rollart.storage.background import flush_all
-from rollart.storage.lock import run_lock
-from rollart.storage.resume import prepare_resume
 
 
 class LocalServices:
@@ -58,40 +56,35 @@ class LocalServices:
         return flush_all()
 
 
+IN_PROCESS_RESUME_HINT = "resume=True"
+
+
 def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] | None = None,
               eval_every: int | None = None,
               stop_when: Callable[[list[float]], bool] | None = None,
               resume: bool = False) -> dict[str, Any]:
     """Run `cfg.iterations` iterations; `on_iteration(summary row)` after each;
     `stop_when(greedy eval history)` may end the run early. `resume`: continue run `run_id`
-    from its latest complete checkpoint (exact resume)."""
-    run = RunSpec(cfg, run_id)
-    with run_lock(cfg.storage, run_id):  # one writer per run id, released on abort too
-        return _run_locked(run, on_iteration, eval_every, stop_when, resume)
+    from its latest complete checkpoint (exact resume), with `cfg` as the run's config.
 
+    The flow's lifecycle (`rollart/lifecycle.py`): the run's lock, the store check, a run id
+    that has checkpoints refused unless `resume`, a resume refused when `cfg` changes a
+    plan-defining key of the stored run config. No restarts: the services live in this
+    process, so a failure aborts the run and propagates."""
 
-def _run_locked(run: RunSpec, on_iteration: Callable[[dict], None] | None,
-                eval_every: int | None, stop_when: Callable[[list[float]], bool] | None,
-                resume: bool) -> dict[str, Any]:
-    run_id = run.run_id
-    point = prepare_resume(run.store()) if resume else None
-    services = LocalServices(run)
-    driver = IterationDriver(run, InProcessRunner(), services, eval_every=eval_every)
-    t_start = time.perf_counter()
-    try:
-        first = driver.start(point.step if point else None)
+    def make_driver(run: RunSpec, attempt: int) -> IterationDriver:
+        return IterationDriver(run, InProcessRunner(), LocalServices(run), eval_every=eval_every)
 
-        def report(res: IterationResult) -> None:
-            if on_iteration is not None:
-                on_iteration(summary_row(res.metrics))
+    def report(res: IterationResult) -> None:
+        if on_iteration is not None:
+            on_iteration(summary_row(res.metrics))
 
-        curve = driver.iterations(first, report, stop_when)
-        done = driver.finish()
-    except BaseException:
-        driver.abort()
-        raise
+    started, out = run_lifecycle(cfg, run_id, make_driver, resume=resume, max_restarts=None,
+                                 resume_hint=IN_PROCESS_RESUME_HINT, on_iteration=report,
+                                 stop_when=stop_when)
+    driver = out.driver
     assert driver.svc is not None
-    return {"run_id": run_id, "store": driver.store.url, "curve": curve,
-            "uploads": done["uploads"], "resumed_from": point.step if point else None,
-            "wall_s": time.perf_counter() - t_start, "trainer": driver.svc.trainer,
-            "engines": driver.svc.engines, "rollout": done["rollout"]}
+    return {"run_id": run_id, "store": driver.store.url, "curve": out.curve,
+            "uploads": out.done["uploads"], "resumed_from": started.resume_step,
+            "wall_s": out.wall_s, "trainer": driver.svc.trainer,
+            "engines": driver.svc.engines, "rollout": out.done["rollout"]}

@@ -201,11 +201,12 @@ def lost_service(driver: Any, probe_timeout_s: float = 10.0,
     return None
 
 
-def run_with_restarts(make_driver: Callable[[int], Any], store: Any, max_restarts: int,
+def run_with_restarts(make_driver: Callable[[int], Any], store: Any, max_restarts: int | None,
                       resume_step: int | None,
                       on_iteration: Callable[[Any], None] | None = None,
                       on_restart: Callable[[dict[str, Any]], None] | None = None,
                       probe_timeout_s: float = 10.0,
+                      stop_when: Callable[[list[float]], bool] | None = None,
                       ) -> tuple[Any, list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
     """Run the driver `make_driver(attempt)` builds to the end. When the trainer or the
     rollout service is lost (its worker died or hung past the call deadline), every service
@@ -213,6 +214,8 @@ def run_with_restarts(make_driver: Callable[[int], Any], store: Any, max_restart
     run resumes from the latest complete checkpoint, as `--resume` does (store rolled back to
     it, ledger and pending groups restored, the same sample ids and seeds re-issued), at most
     `max_restarts` times; then, or before the first checkpoint, the run fails naming the cause.
+    `max_restarts=None`: the mode cannot restart (one process: nothing is lost apart from it),
+    so any failure, an interrupt included, aborts the driver and propagates as it is.
     Returns (driver, curve, finish(), restarts)."""
     from rollart.storage.resume import ResumeError, prepare_resume
 
@@ -222,9 +225,14 @@ def run_with_restarts(make_driver: Callable[[int], Any], store: Any, max_restart
         driver = make_driver(attempt)
         try:
             first = driver.start(resume_step)
-            curve = driver.iterations(first, on_iteration)
+            curve = driver.iterations(first, on_iteration, stop_when)
             return driver, curve, driver.finish(), restarts
-        except Exception as err:
+        except BaseException as err:
+            if max_restarts is None:  # its services live in this process: stop their threads
+                driver.abort()
+                raise
+            if not isinstance(err, Exception):  # an interrupt ends the flow and its cluster
+                raise
             t_fail = time.time()
             lost = lost_service(driver, probe_timeout_s, err)
             driver.abort()

@@ -93,25 +93,42 @@ def stored_run_config(location: StorageConfig, run_id: str,
     return config_from_dict(_located(apply_overrides(data, list(overrides or [])), location))
 
 
-def resume_config(current: RunConfig, overrides: list[str], store: RunStore) -> RunConfig:
-    """The config a resumed run uses (see the module docstring)."""
+def _stored_for_resume(store: RunStore) -> dict[str, Any]:
     try:
-        stored = _stored(store)
+        return _stored(store)
     except ResumeError as err:
         raise ResumeError(f"cannot resume {store.run_id!r}: {err}") from None
+
+
+def _guard_plan(cfg: RunConfig, base: RunConfig, run_id: str) -> RunConfig:
+    """`cfg`, unless it changes a plan-defining key of the stored run config `base`."""
+    for key in PLAN_KEYS:
+        if getattr(cfg, key) != getattr(base, key):
+            raise ResumeError(
+                f"cannot resume {run_id!r} with a different '{key}': the sample plan and "
+                "its ledger depend on it (start a new run instead)"
+            )
+    return cfg
+
+
+def resume_config(current: RunConfig, overrides: list[str], store: RunStore) -> RunConfig:
+    """The config a resumed run uses (see the module docstring)."""
+    stored = _stored_for_resume(store)
     merged = _located(apply_overrides(copy.deepcopy(stored), list(overrides)), current.storage)
     try:
         cfg = config_from_dict(merged)
     except ConfigError as err:
         raise ResumeError(f"cannot resume {store.run_id!r}: {err}") from None
     base = config_from_dict({**stored, "storage": merged["storage"]})
-    for key in PLAN_KEYS:
-        if getattr(cfg, key) != getattr(base, key):
-            raise ResumeError(
-                f"cannot resume {store.run_id!r} with a different '{key}': the sample plan and "
-                "its ledger depend on it (start a new run instead)"
-            )
-    return cfg
+    return _guard_plan(cfg, base, store.run_id)
+
+
+def resume_whole_config(cfg: RunConfig, store: RunStore) -> RunConfig:
+    """A resume with `cfg` as the run's whole config (the in-process mode takes a built
+    config, not a file and overrides): used as given, under the same guard as `resume_config`
+    (a plan-defining key that differs from the stored run config is refused)."""
+    base = config_from_dict(_located(_stored_for_resume(store), cfg.storage))
+    return _guard_plan(cfg, base, store.run_id)
 
 
 def _problems(store: RunStore, step: int) -> dict[str, str]:
@@ -213,12 +230,19 @@ def dumps(point: ResumePoint) -> str:
     return json.dumps(point.as_dict(), sort_keys=True)
 
 
-def start_run(cfg: RunConfig, overrides: list[str], run_id: str, resume: bool,
-              lock: RunLock | None = None) -> tuple[RunConfig, ResumePoint | None]:
-    """At flow start, before any cluster: check the store (one-line StorageError), take the
-    run's writer `lock` (RunLockedError naming the holder; the caller releases it when the run
-    ends), then either refuse to reuse a run id that has checkpoints or prepare the resume
-    (ResumeError). Writes the run's requested config (`config.yaml`, the base of a resume)."""
+FLOW_RESUME_HINT = "--resume (flow parameter `resume`)"
+
+
+def start_run(cfg: RunConfig, overrides: list[str] | None, run_id: str, resume: bool,
+              lock: RunLock | None = None,
+              resume_hint: str = FLOW_RESUME_HINT) -> tuple[RunConfig, ResumePoint | None]:
+    """At a run's start, before any cluster or service: check the store (one-line
+    StorageError), take the run's writer `lock` (RunLockedError naming the holder; the caller
+    releases it when the run ends), then either refuse to reuse a run id that has checkpoints
+    (the refusal says how to resume: `resume_hint`) or prepare the resume (ResumeError).
+    `overrides` re-apply on the stored run config on resume (`resume_config`); None: `cfg` is
+    the run's whole config (`resume_whole_config`). Writes the run's requested config
+    (`config.yaml`, the base of a resume)."""
     from rollart.config import dump_config
     from rollart.storage.s3 import check_storage
 
@@ -228,12 +252,13 @@ def start_run(cfg: RunConfig, overrides: list[str], run_id: str, resume: bool,
     store = RunStore.from_config(cfg.storage, run_id)
     point = None
     if resume:
-        cfg = resume_config(cfg, overrides, store)
+        cfg = (resume_whole_config(cfg, store) if overrides is None
+               else resume_config(cfg, overrides, store))
         store = RunStore.from_config(cfg.storage, run_id)
         point = prepare_resume(store)
     elif store.latest_checkpoint() is not None:
         raise ResumeError(f"run {run_id!r} already has checkpoints under {store.url}; resume it "
-                          "with --resume (flow parameter `resume`) or pick another run id")
+                          f"with {resume_hint} or pick another run id")
     elif store.checkpoint_steps() or store.shard_steps() or store.exists("metrics.jsonl"):
         # An attempt died before its first complete checkpoint: start over, keep its data aside.
         attempt = len(store.read_jsonl("resumes.jsonl")) + 2

@@ -35,7 +35,7 @@ class _Driver:
         self.resumed_from = resume_step
         return 0
 
-    def iterations(self, first, on_iteration=None):
+    def iterations(self, first, on_iteration=None, stop_when=None):
         if self.error is not None:
             raise self.error
         return [{"iteration": 0.0}]
