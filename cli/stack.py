@@ -276,6 +276,29 @@ def _resolve_deployment(client: Any, name: str) -> str:
     return full[0]
 
 
+blocks_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="Block documents of rollart on the Prefect API.")
+app.add_typer(blocks_app, name="blocks")
+
+
+@blocks_app.command("migrate")
+def blocks_migrate(
+    state_dir: Path = StateDir,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would change"),
+) -> None:
+    """Move the keys of rollart-storage and rollart-lambda-rewards documents into prefect-aws
+    AwsCredentials documents (NAME-s3, NAME-lambda) that they then reference. Documents with
+    their own keys keep working without this."""
+    _api_url(state_dir)
+    from blocks.migrate import migrate_documents
+
+    lines = migrate_documents(dry_run=dry_run)
+    for line in lines:
+        typer.echo(line)
+    if not lines:
+        typer.echo("nothing to migrate: no document holds keys of its own")
+
+
 @app.command()
 def submit(
     deployment: str = typer.Option(..., "--deployment", "-d",

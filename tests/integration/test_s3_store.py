@@ -231,3 +231,27 @@ def test_local_block_documents_reference_prefect_aws_credentials(aws_env, prefec
     assert cfg.storage.endpoint_url == aws_env.endpoint_url
     assert cfg.reward.endpoint_url == "http://127.0.0.1:9001"
     assert SECRET not in repr(found) and "lambda-secret" not in repr(found)
+
+
+def test_blocks_migrate_moves_keys_into_aws_credentials(prefect_api):
+    """Documents of our types that hold keys of their own resolve the same after
+    `rollart blocks migrate` moved the keys into AwsCredentials documents they reference."""
+    from blocks import LambdaRewards, RunStorage, resolve_blocks
+    from blocks.migrate import migrate_documents
+
+    RunStorage(bucket="old-bucket", endpoint_url="http://127.0.0.1:8333",
+               access_key_id=KEY, secret_access_key=SECRET).save("old-style", overwrite=True)
+    LambdaRewards(endpoint_url="http://127.0.0.1:9001", aws_access_key_id="lk",
+                  aws_secret_access_key="lambda-secret").save("old-style", overwrite=True)
+    before = resolve_blocks(storage="old-style", rewards="old-style")
+    plan = migrate_documents(dry_run=True)
+    assert "rollart-storage/old-style: keys would move to aws-credentials/old-style-s3" in plan
+    assert RunStorage.load("old-style").access_key_id is not None
+    done = migrate_documents()
+    assert "rollart-lambda-rewards/old-style: keys moved to aws-credentials/old-style-lambda" \
+        in done and SECRET not in "".join(done)
+    storage = RunStorage.load("old-style")
+    assert storage.access_key_id is None and storage.aws_credentials is not None
+    after = resolve_blocks(storage="old-style", rewards="old-style")
+    assert (after.overrides, after.env) == (before.overrides, before.env)
+    assert not any("old-style" in line for line in migrate_documents())  # nothing left
