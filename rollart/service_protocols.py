@@ -20,12 +20,67 @@ a coroutine there, which the actor runs to its value).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 from rollart.types import Completion, GenerationRequest, Trajectory
 
 Batch = tuple[list[Trajectory], dict[str, Any]]  # trajectories and their info (`metrics`, ...)
 Dropped = list[tuple[str, int, str]]  # (sample id, iteration, reason) of samples not trained on
+
+
+# ---- what a weight sync's calls answer (read by field in rollart/stages.py) -----------------
+# Plain dicts at run time (they cross Dask as they always did); typed here so that a misspelled
+# key is a type error.
+
+class WeightsPublished(TypedDict):
+    """`publish_weights`: the current version written to the store's `weights/v{n}/`."""
+
+    version: int
+    bytes: float
+    publish_s: float
+
+
+class SharedWeights(TypedDict):
+    """`share_weights`: the descriptor of the trainer's shared-memory weights file
+    (`rollart/engines/shared_weights.py`), handed to engines as it is."""
+
+    path: str
+    host: str
+    version: int
+    layout: Any
+    bytes: int
+
+
+class _StreamStats(TypedDict, total=False):
+    bytes: float
+    seconds: float
+
+
+class WeightsStreamedOut(_StreamStats):
+    """`stream_weights`: what the trainer sent down the chain of engines (rank 0's stats)."""
+
+    version: int
+
+
+class WeightsLoaded(TypedDict):
+    """An engine now serves `version`; generation paused `pause_s` for the load."""
+
+    version: float
+    pause_s: float
+
+
+class WeightsPulled(WeightsLoaded):
+    """`pull_weights`: loaded from the store."""
+
+    pull_s: float
+    bytes: float
+
+
+class WeightsStreamedIn(WeightsLoaded):
+    """`finish_weight_stream`: received from the trainer's stream."""
+
+    stream_s: float
+    bytes: float
 
 
 class TrainerAPI(Protocol):
@@ -38,17 +93,17 @@ class TrainerAPI(Protocol):
     def export_weights(self) -> tuple[int, dict[str, Any]]: ...  # (version, tensors)
 
     def stream_weights(self, chain: list[tuple[str, int]], token: bytes,
-                       timeout_s: float) -> dict[str, Any]: ...
+                       timeout_s: float) -> WeightsStreamedOut: ...
 
     def weight_version(self) -> int: ...
 
-    def share_weights(self) -> dict[str, Any]: ...
+    def share_weights(self) -> SharedWeights: ...
 
     def shared_memory_sync(self) -> bool: ...
 
     def sync_via_store(self) -> bool: ...
 
-    def publish_weights(self) -> dict[str, Any]: ...
+    def publish_weights(self) -> WeightsPublished: ...
 
     def save_checkpoint(self, step: int, meta: dict[str, Any],
                         engine_rng: list[bytes] | None = None,
@@ -77,15 +132,15 @@ class EngineAPI(Protocol):
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]: ...
 
-    def load_shared_weights(self, desc: dict[str, Any]) -> dict[str, float] | None: ...
+    def load_shared_weights(self, desc: SharedWeights) -> WeightsLoaded | None: ...
 
     def open_weight_stream(self, token: bytes, timeout_s: float) -> tuple[str, int]: ...
 
-    def finish_weight_stream(self, timeout_s: float) -> dict[str, Any]: ...
+    def finish_weight_stream(self, timeout_s: float) -> WeightsStreamedIn: ...
 
     def abort_weight_stream(self) -> None: ...
 
-    def pull_weights(self, version: int) -> dict[str, float]: ...
+    def pull_weights(self, version: int) -> WeightsPulled: ...
 
     def load_checkpoint(self, step: int) -> dict[str, Any]: ...
 

@@ -25,6 +25,12 @@ from rollart.models.policy import param_count
 from rollart.models.run_model import build_model, param_checksum
 from rollart.routing.setup import emulation_factors
 from rollart.run import RunSpec
+from rollart.service_protocols import (
+    SharedWeights,
+    WeightsLoaded,
+    WeightsPulled,
+    WeightsStreamedIn,
+)
 from rollart.storage.store import checkpoint_rel
 from rollart.storage.weights import load_weights_bytes, retie
 from rollart.train.sharded_state import DCP_PREFIX, full_model_state, is_sharded_checkpoint
@@ -79,17 +85,17 @@ class EngineService:
         torch.set_num_threads(self.cfg.engine.threads)
         return self.engine.generate(requests)
 
-    def update_weights(self, version: int, state: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_weights(self, version: int, state: dict[str, torch.Tensor]) -> WeightsLoaded:
         t0 = time.perf_counter()
         self.engine.update_weights(version, state)
         pause = time.perf_counter() - t0
         self.sync_pauses.append(pause)
         return {"version": float(version), "pause_s": pause}
 
-    def load_shared_weights(self, desc: dict[str, Any]) -> dict[str, float] | None:
+    def load_shared_weights(self, desc: SharedWeights) -> WeightsLoaded | None:
         """Copy weights from the trainer's shared-memory file (same host); None when this
         process cannot map it, so the caller sends the tensors instead."""
-        state = read_shared(desc)
+        state = read_shared(dict(desc))
         if state is None:
             return None
         return self.update_weights(int(desc["version"]), state)
@@ -103,7 +109,7 @@ class EngineService:
         self._rx = WeightReceiver(host, token, timeout_s, buffers=self._rx_buffers)
         return self._rx.address
 
-    def finish_weight_stream(self, timeout_s: float) -> dict[str, Any]:
+    def finish_weight_stream(self, timeout_s: float) -> WeightsStreamedIn:
         """Wait for the stream opened last, then serve its weights (between two generate calls,
         as every sync). Its tensors are received into again at the next sync."""
         rx, self._rx = self._rx, None
@@ -124,7 +130,7 @@ class EngineService:
         if rx is not None:
             rx.close()
 
-    def pull_weights(self, version: int) -> dict[str, float]:
+    def pull_weights(self, version: int) -> WeightsPulled:
         """Load a published weight version from the store (`weights/v{version}/`)."""
         t0 = time.perf_counter()
         data, _ = load_weights_bytes(self.store, version)

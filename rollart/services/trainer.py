@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,6 +21,7 @@ from rollart.engines.shared_weights import SharedWeightsWriter, shm_dir
 from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
+from rollart.service_protocols import SharedWeights, WeightsPublished, WeightsStreamedOut
 from rollart.storage.checkpointing import Checkpointer
 from rollart.train.distributed import Ranks, all_reduce_sum, destroy_group, init_group, local
 from rollart.train.sharded_state import load_pretrained
@@ -94,12 +95,12 @@ class TrainerService:
         return self.trainer.version, self.trainer.export_weights()
 
     def stream_weights(self, chain: list[tuple[str, int]], token: bytes,
-                       timeout_s: float) -> dict[str, Any]:
+                       timeout_s: float) -> WeightsStreamedOut:
         """The current weights straight to the engines listening at `chain` (a pipeline:
         each forwards to the next); every rank gathers, rank 0 sends (rollart/train/
         stream_out.py)."""
-        return {**stream_weights(self.trainer, [(a[0], a[1]) for a in chain], token, timeout_s),
-                "version": self.trainer.version}
+        sent = stream_weights(self.trainer, [(a[0], a[1]) for a in chain], token, timeout_s)
+        return cast(WeightsStreamedOut, {**sent, "version": self.trainer.version})
 
     def weight_version(self) -> int:
         return self.trainer.version
@@ -112,7 +113,7 @@ class TrainerService:
         if self.ranks.sharded:
             destroy_group()
 
-    def share_weights(self) -> dict[str, Any]:
+    def share_weights(self) -> SharedWeights:
         """Copy the current weights into this trainer's shared-memory file; returns the small
         descriptor engines on this host map (rollart/engines/shared_weights.py)."""
         if self._shared is None:
@@ -121,7 +122,8 @@ class TrainerService:
             weakref.finalize(self, self._shared.close)  # the file holds RAM until removed
             # The parameters move into the file: publishing then copies nothing.
             self._shared.adopt(self.trainer.model)
-        return self._shared.publish(self.trainer.version, self.trainer.model.state_dict())
+        desc = self._shared.publish(self.trainer.version, self.trainer.model.state_dict())
+        return cast(SharedWeights, desc)
 
     def shared_memory_sync(self) -> bool:
         # A sharded trainer holds no full copy to share: it exports (or streams) instead.
@@ -130,9 +132,10 @@ class TrainerService:
     def sync_via_store(self) -> bool:
         return self.cfg.storage.sync_via_store
 
-    def publish_weights(self) -> dict[str, Any]:
+    def publish_weights(self) -> WeightsPublished:
         """Publish the current version to `weights/v{n}/` now (store-mediated sync)."""
-        return self.ckpt.publish_now(self.trainer)  # sharded: gathered, rank 0 publishes
+        # sharded: gathered, rank 0 publishes
+        return cast(WeightsPublished, self.ckpt.publish_now(self.trainer))
 
     def save_checkpoint(self, step: int, meta: dict[str, Any],
                         engine_rng: list[bytes] | None = None,

@@ -16,7 +16,13 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from rollart.handles import Deadline, call
-from rollart.service_protocols import Dropped, TrainerAPI
+from rollart.service_protocols import (
+    Dropped,
+    SharedWeights,
+    TrainerAPI,
+    WeightsPublished,
+    WeightsStreamedOut,
+)
 from rollart.types import Trajectory
 
 R = TypeVar("R")
@@ -62,13 +68,13 @@ class TrainerGroup:
         return self._all(lambda r: r.export_weights())
 
     def stream_weights(self, chain: list[tuple[str, int]], token: bytes,
-                       timeout_s: float) -> dict[str, Any]:
+                       timeout_s: float) -> WeightsStreamedOut:
         return self._all(lambda r: r.stream_weights(chain, token, timeout_s))
 
     def weight_version(self) -> int:
         return self._first().weight_version()
 
-    def share_weights(self) -> dict[str, Any]:
+    def share_weights(self) -> SharedWeights:
         raise RuntimeError("a sharded trainer holds no full copy to share; it exports instead")
 
     def shared_memory_sync(self) -> bool:
@@ -77,7 +83,7 @@ class TrainerGroup:
     def sync_via_store(self) -> bool:
         return self._first().sync_via_store()
 
-    def publish_weights(self) -> dict[str, Any]:
+    def publish_weights(self) -> WeightsPublished:
         return self._all(lambda r: r.publish_weights())
 
     def save_checkpoint(self, step: int, meta: dict[str, Any],

@@ -35,6 +35,7 @@ def bad(trainer: TrainerAPI, engine: EngineAPI) -> None:
     call(trainer).save_checkpoint("seven", {})
     name: str = call(engine).weight_version()
     call(engine, timeout="soon").fingerprint()
+    call(trainer).publish_weights()["versoin"]
 '''
 
 
@@ -43,12 +44,13 @@ def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
     snippet.write_text(source)
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file=", "--no-incremental",
-         "--follow-imports=skip", "--ignore-missing-imports", "--python-version=3.11",
+         "--follow-imports=skip", "--ignore-missing-imports", "--python-version=3.10",
          "--show-error-codes", "--no-error-summary", str(snippet), *SEAM],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_mypy_reports_a_misspelled_method_a_wrong_argument_and_a_misused_answer(tmp_path):
+    """Also a wrong deadline and a misspelled key of a typed answer."""
     got = _mypy(tmp_path, SNIPPET)
     errors = [line for line in got.stdout.splitlines() if ": error:" in line]
     assert got.returncode == 1, got.stdout + got.stderr
@@ -60,7 +62,8 @@ def test_mypy_reports_a_misspelled_method_a_wrong_argument_and_a_misused_answer(
     assert re.search(r':16: error: Incompatible types in assignment \(expression has type '
                      r'"int", variable has type "str"\)', text), text
     assert re.search(r':17: error: No overload variant of "call" matches', text), text
-    assert len(errors) == 4, text  # `good` is clean
+    assert re.search(r':18: error: TypedDict "WeightsPublished" has no key "versoin"', text), text
+    assert len(errors) == 5, text  # `good` is clean
 
 
 def test_no_method_is_named_by_a_string_in_the_driver_and_the_stages():
