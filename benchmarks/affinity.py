@@ -34,7 +34,7 @@ speedup of a repeat = round robin wall / affinity wall within that repeat. Repor
 repeat's walls, speedups, decisions and placements (turns of each task on each class), and the
 min / median / max of the speedups; the summary line prints the minimum. With
 `--run-iterations N` (default 12) the same mix also runs as a full training run
-(benchmarks/affinity_run.py: configs/affinity-mix.yaml through rollart.local_loop.run_local),
+(benchmarks/affinity_run.py: configs/affinity-mix.yaml through rollart.runner.local_loop.run_local),
 affinity vs round robin, and the median iteration-time ratio is `run_speedup_vs_round_robin`.
 
 Per run and replica, `batch_log` lists every engine call as [start s, busy s, modelled s, rows]:

@@ -3,7 +3,7 @@
 configs/affinity-mix.yaml: a prefill-heavy task (FrozenLake 8x8, a whole map per turn, a short
 action) and a decode-heavy one (arithmetic with a long free-form answer) share every batch; two
 engine pools (one H800-like, one H20-like replica) under the modelled emulation; continuous
-batching routes every turn. The run goes through rollart.local_loop.run_local, the in-process
+batching routes every turn. The run goes through rollart.runner.local_loop.run_local, the in-process
 mode of the iteration driver: the same stages as the Prefect flow (collect, score, update,
 sync weights, checkpoint), the same rollout service, router and engines, without a Prefect
 server. Each policy runs the same config and seed; iteration time is `perf/iteration_s`, and the
@@ -18,7 +18,7 @@ import tempfile
 from typing import Any
 
 from rollart.config import load_config
-from rollart.local_loop import run_local
+from rollart.runner.local_loop import run_local
 
 
 def _summary(out: dict[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollart.config import load_config  # noqa: E402
-from rollart.local_loop import run_local  # noqa: E402
+from rollart.runner.local_loop import run_local  # noqa: E402
 
 VARIANTS = {
     "sync": ["rollout.max_staleness=0", "rollout.batching=lockstep"],

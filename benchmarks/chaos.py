@@ -291,8 +291,8 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
 
     from flows.train import train
     from infra.dask_cluster import HardwareClassCluster
-    from rollart import progress
     from rollart.config import load_config
+    from rollart.runner import progress
     from rollart.storage.checkpointing import audit_ledger
     from rollart.storage.ledger import SampleLedger
     from rollart.storage.store import RunStore

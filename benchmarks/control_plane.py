@@ -8,7 +8,7 @@ Runs the default config (`configs/default.yaml`) for `--iterations` iterations t
   rollout service instead of the Lambda endpoint; reference),
 interleaved over `--repeats`, each run in a fresh process, against one standalone Prefect server.
 
-Every stage records its own span where it ran (`rollart/spans.py`); the driver splits each
+Every stage records its own span where it ran (`rollart/runner/spans.py`); the driver splits each
 iteration into stage work (the union of the spans) and orchestration (the rest: Prefect task
 submission and state tracking, Dask scheduling, actor round trips, serialisation):
 `perf/orchestration_s`, `perf/orchestration_share`. The first iteration (cluster warm-up, first
@@ -44,7 +44,7 @@ def child(variant: str, iterations: int, root: str) -> None:
     run_id = f"cp-{variant}-{int(time.time() * 1000)}"
     t0 = time.perf_counter()
     if variant == "in-process":
-        from rollart.local_loop import run_local
+        from rollart.runner.local_loop import run_local
 
         # no Lambda endpoint in-process (the flow starts it): rewards scored in the service
         run_local(load_config(ROOT / "configs/default.yaml",

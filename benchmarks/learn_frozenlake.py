@@ -1,7 +1,7 @@
 """Does RL learn? Train the tiny policy on FrozenLake and report greedy success on held-out seeds.
 
-Runs the same stage functions the Prefect flow runs (rollart.stages), in one process by default
-(`--mode local`, no orchestration overhead), or through the real flow on the embedded Dask
+Runs the same stage functions the Prefect flow runs (rollart.runner.stages), in one process by
+default (`--mode local`, no orchestration overhead), or through the real flow on the embedded Dask
 cluster (`--mode flow`, needs PREFECT_API_URL or starts the local server).
 
 Writes results/learn_frozenlake.json and prints one summary line.
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollart.config import load_config  # noqa: E402
-from rollart.progress import format_row  # noqa: E402
+from rollart.runner.progress import format_row  # noqa: E402
 
 KEEP = ["iteration", "reward/mean", "rollout/success_rate", "rollout/no_action_rate",
         "rollout/episode_len", "train/entropy", "eval/success_rate", "perf/iteration_s",
@@ -46,7 +46,7 @@ def main() -> None:
     t0 = time.perf_counter()
     if args.mode == "local":
         from infra.lambda_endpoint import with_embedded_endpoint
-        from rollart.local_loop import run_local
+        from rollart.runner.local_loop import run_local
 
         with contextlib.ExitStack() as stack:
             cfg = with_embedded_endpoint(cfg, stack)

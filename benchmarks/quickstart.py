@@ -32,8 +32,8 @@ ROW = re.compile(r"^\s*(\d+)/(\d+)\s")  # a progress row starts with "  k/total"
 
 
 def parse_rows(lines: list[tuple[float, str]]) -> list[tuple[float, dict[str, str]]]:
-    """The terminal table `rollart train` prints (rollart/progress.py: TerminalTable): a header,
-    then rows of right-aligned cells 8 wide, 2 apart (an empty cell when not measured)."""
+    """The terminal table `rollart train` prints (rollart/runner/progress.py: TerminalTable): a
+    header, then rows of right-aligned cells 8 wide, 2 apart (an empty cell when not measured)."""
     header = next((line.split() for _, line in lines
                    if line.split()[:2] == ["iter", "reward"]), None)
     if header is None:

@@ -8,7 +8,7 @@ from typing import ClassVar
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from rollart.cluster_classes import default_stages, default_workers
+from rollart.config.hardware import default_stages, default_workers
 
 
 class DaskCluster(Block):

@@ -33,7 +33,7 @@ from blocks import (
     register_block_types,
 )
 from blocks.aws import AwsCredentials, S3Bucket
-from rollart.cluster_classes import default_workers
+from rollart.config.hardware import default_workers
 
 if TYPE_CHECKING:
     from rollart.rewards.client import LambdaCredentials

@@ -117,7 +117,7 @@ def train(
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     from flows.train import new_run_id
     from flows.train import train as train_flow
-    from rollart import progress
+    from rollart.runner import progress
 
     run_id = run_id or resume or new_run_id(cfg.name)
     typer.echo(f"Run {run_id}: {cfg.iterations} iterations, "

@@ -3,8 +3,8 @@
 The run's own config (`runs/{run_id}/config.yaml` in the store) rebuilds the policy; the
 checkpoint's weights (the latest complete one unless `checkpoint` is given) are loaded into an
 engine replica on the engine-class worker, and the episodes run on an env-class worker through
-the same stage as the training loop's evaluation (`rollart.stages.evaluate`). Results go to the
-store (`eval/{step:08d}.json`) and to the flow run's artifacts.
+the same stage as the training loop's evaluation (`rollart.runner.stages.evaluate`). Results go to
+the store (`eval/{step:08d}.json`) and to the flow run's artifacts.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
         -> sync_weights (engine class) -> [checkpoint (trainer class)] [evaluate (env class)]
 
 The flow only orchestrates: it validates the config, starts or connects to the Dask cluster,
-and hands the iteration driver (`rollart/driver.py`, the same loop the in-process mode runs)
+and hands the iteration driver (`rollart/runner/driver.py`, the same loop the in-process mode runs)
 a runner that submits each stage as a Prefect task annotated with its class and a factory that
 creates the long-lived services as Dask actors on their classes; then it reports each
 iteration (log, terminal, artifacts).
@@ -25,13 +25,14 @@ from blocks.secrets import CredentialsResolverPlugin, install_credentials_resolv
 from flows.artifacts import RunArtifacts
 from infra.clusters import open_cluster
 from infra.lambda_endpoint import with_embedded_endpoint
-from rollart import progress, secrets
+from rollart import secrets
 from rollart.config import ConfigError, RunConfig, check_run_id, load_config
-from rollart.dask_services import DaskServices
-from rollart.driver import IterationDriver, IterationResult, Placement
-from rollart.lifecycle import drive_run, started_run
 from rollart.metrics import summary_row
 from rollart.run import RunSpec
+from rollart.runner import progress
+from rollart.runner.dask_services import DaskServices
+from rollart.runner.driver import IterationDriver, IterationResult, Placement
+from rollart.runner.lifecycle import drive_run, started_run
 from rollart.storage.resume import ResumeError, describe
 from rollart.storage.s3 import StorageError
 from tasks.stages import PrefectStages, task_runner
@@ -81,8 +82,8 @@ def _train(cfg: RunConfig, overrides: list[str], scheduler_address: str | None,
         return Failed(message=str(err))
     logger = get_run_logger()
     with contextlib.ExitStack() as stack:
-        # The run's lifecycle (rollart/lifecycle.py), as in the in-process mode: one writer per
-        # run id (a second train/resume of it fails here, naming us), store reachable with
+        # The run's lifecycle (rollart/runner/lifecycle.py), as in the in-process mode: one writer
+        # per run id (a second train/resume of it fails here, naming us), store reachable with
         # these credentials, run id reuse and resume guards; before any cluster starts. Entered
         # first, so the lock is released last, at the run's end or abort alike.
         try:

@@ -1,4 +1,4 @@
-"""The Dask cluster a run gets, by `cluster.manager` (rollart/config_cluster.py).
+"""The Dask cluster a run gets, by `cluster.manager` (rollart/config/cluster.py).
 
     local        HardwareClassCluster: one worker process per class on loopback
     address      the scheduler at `cluster.address` (its workers carry the class resources)
@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rollart.config_cluster import ClusterConfig
+from rollart.config.cluster import ClusterConfig
 
 
 @dataclass(frozen=True)

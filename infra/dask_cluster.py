@@ -14,7 +14,7 @@ from typing import Literal
 import dask
 from distributed import Nanny, Scheduler, Security, SpecCluster
 
-from rollart.cluster_classes import default_workers, worker_classes
+from rollart.config.hardware import default_workers, worker_classes
 
 # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in every worker it spawns (glibc hands freed
 # memory back to the OS eagerly); we leave glibc's default. An early one-off measurement blamed it

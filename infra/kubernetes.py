@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from infra.dask_cluster import WORKER_ENVIRON
-from rollart.config_cluster import ClusterConfig, KubernetesClassConfig
+from rollart.config.cluster import ClusterConfig, KubernetesClassConfig
 
 API = "kubernetes.dask.org/v1"
 

@@ -30,7 +30,7 @@ from dask_jobqueue.slurm import SLURMJob
 
 from infra.dask_cluster import WORKER_ENVIRON
 from infra.scaling import ClassAdaptive, KeepServiceWorkers
-from rollart.config_cluster import ClusterConfig
+from rollart.config.cluster import ClusterConfig
 
 
 def job_kwargs(cfg: ClusterConfig, hw_class: str) -> dict[str, Any]:

@@ -63,7 +63,7 @@ from infra.state import (
     private_dir,
     write_private,
 )
-from rollart.cluster_classes import default_workers
+from rollart.config.hardware import default_workers
 from rollart.secrets import SECRET_VARS
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ Batch = tuple[list[Trajectory], dict[str, Any]]  # trajectories and their info (
 Dropped = list[tuple[str, int, str]]  # (sample id, iteration, reason) of samples not trained on
 
 
-# ---- what a weight sync's calls answer (read by field in rollart/stages.py) -----------------
+# ---- what a weight sync's calls answer (read by field in rollart/runner/stages.py) ---------------
 # Plain dicts at run time (they cross Dask as they always did); typed here so that a misspelled
 # key is a type error.
 
@@ -187,8 +187,8 @@ class RolloutAPI(Protocol):
 @runtime_checkable
 class ReplacesEngines(Protocol):
     """A service factory whose engine replicas live on workers that can be lost, and that can
-    build a replacement (`rollart/dask_services.py`): the driver then runs an engine
-    supervisor (`rollart/recovery.py`). `isinstance` checks the methods are there."""
+    build a replacement (`rollart/runner/dask_services.py`): the driver then runs an engine
+    supervisor (`rollart/runner/recovery.py`). `isinstance` checks the methods are there."""
 
     def replace_engine(self, index: int) -> EngineAPI | None: ...
 

@@ -1,5 +1,5 @@
-"""Prefect tasks: one thin wrapper per iteration stage (logic lives in rollart.stages), and the
-runner through which the iteration driver submits them.
+"""Prefect tasks: one thin wrapper per iteration stage (logic lives in rollart.runner.stages), and
+the runner through which the iteration driver submits them.
 
 Tasks are coarse on purpose: a Prefect task through DaskTaskRunner costs ~0.2-0.3 s, so the
 per-turn traffic stays inside the rollout service (raw Dask actor calls between its threads,
@@ -19,11 +19,11 @@ import dask
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollart import stages
 from rollart.config import RunConfig
-from rollart.driver import STAGE_ROLE
 from rollart.handles import detach
-from rollart.spans import info_of
+from rollart.runner import stages
+from rollart.runner.driver import STAGE_ROLE
+from rollart.runner.spans import info_of
 
 _opts = {"cache_policy": NONE, "persist_result": False}
 # Task name and options per stage (every stage the driver knows); both task runners build their

@@ -10,7 +10,7 @@ The rollout service re-issues a turn that was in flight on a lost replica on ano
 episode's token ids stop at its last completed turn, so the same request goes again and every
 token already generated keeps the version that produced it. With no replica left, episodes
 wait up to `rollout.engine_wait_timeout_s` for one to come back (the driver's supervisor
-creates a replacement when a worker of the class (re)joins, `rollart/recovery.py`).
+creates a replacement when a worker of the class (re)joins, `rollart/runner/recovery.py`).
 """
 
 from __future__ import annotations

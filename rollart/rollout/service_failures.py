@@ -3,7 +3,7 @@ RolloutService, rollart/rollout/service.py): which replica an orphaned episode m
 replica taken out of rotation and put back, a host routed around, the env-timeout watchdog
 that fails a hung env call (a hung env costs one episode) and probes its host, and the service
 itself broken while its process lives (`broken`, `handover`: the driver moves its live state
-into a replacement, rollart/recovery.py `rebuild_rollout`)."""
+into a replacement, rollart/runner/recovery.py `rebuild_rollout`)."""
 
 from __future__ import annotations
 

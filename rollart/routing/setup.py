@@ -3,8 +3,8 @@ rollart.config imports the catalog from this package)."""
 
 from __future__ import annotations
 
-from rollart.cluster_classes import DEFAULT_STAGES
 from rollart.config import RunConfig
+from rollart.config.hardware import DEFAULT_STAGES
 from rollart.routing.catalog import Slowdown, emulation_slowdowns
 from rollart.routing.emulation import ServiceModel
 from rollart.routing.profile import TaskProfiles

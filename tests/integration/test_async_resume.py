@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollart.config import load_config
-from rollart.local_loop import run_local
 from rollart.rollout.ids import group_of_sample
+from rollart.runner.local_loop import run_local
 from rollart.storage.checkpointing import audit_ledger
 from rollart.storage.ledger import SampleLedger
 from rollart.storage.store import RunStore

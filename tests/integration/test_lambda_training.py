@@ -12,9 +12,9 @@ import pytest
 from infra.lambda_endpoint import LocalLambda
 from infra.lambda_functions import FunctionSpec
 from rollart.config import load_config
-from rollart.local_loop import run_local
 from rollart.rewards.client import reward_event
 from rollart.rewards.handlers import env_outcome
+from rollart.runner.local_loop import run_local
 from rollart.storage.store import RunStore
 
 pytestmark = pytest.mark.integration

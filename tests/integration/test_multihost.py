@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _wait_workers(address: str, want: dict[str, int], timeout: float = 180.0) -> dict:
     from distributed import Client
 
-    from rollart.cluster_classes import worker_classes
+    from rollart.config.hardware import worker_classes
 
     with Client(address, timeout=60) as client:
         deadline = time.monotonic() + timeout

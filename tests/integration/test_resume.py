@@ -1,7 +1,7 @@
 """Kill training while a checkpoint upload is in flight, resume, and restart S3 mid-run.
 
-1. Training runs in a subprocess (the in-process loop of rollart/local_loop.py: the same stage
-   functions, TrainerService, Checkpointer and store as the flow, without Prefect and Dask
+1. Training runs in a subprocess (the in-process loop of rollart/runner/local_loop.py: the same
+   stage functions, TrainerService, Checkpointer and store as the flow, without Prefect and Dask
    start-up cost) against a real `weed mini`, with a test hook that sleeps 4 s between the files
    of checkpoint 2. As soon as checkpoint 2 has a file but no manifest it is SIGKILLed.
 2. The run is resumed through the flow parameter (`train(resume=run_id)`, what
@@ -51,7 +51,7 @@ def _env(s3, prefect_api: str, **extra: str) -> dict[str, str]:
 KILLED_RUN = """
 import sys
 from rollart.config import load_config
-from rollart.local_loop import run_local
+from rollart.runner.local_loop import run_local
 if __name__ == "__main__":
     run_local(load_config(sys.argv[1], sys.argv[3:]), sys.argv[2])
 """
@@ -100,7 +100,7 @@ def test_kill_mid_checkpoint_then_resume_through_an_s3_restart(s3, prefect_api, 
 
     # 2. Resume (flow parameter); crash S3 after the first resumed iteration, back 3 s later.
     from flows.train import train
-    from rollart import progress
+    from rollart.runner import progress
 
     bounce: dict[str, float] = {}
 

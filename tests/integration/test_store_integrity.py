@@ -24,8 +24,8 @@ import pytest
 
 from infra.seaweed import start_seaweed
 from rollart.config import load_config
-from rollart.local_loop import run_local
 from rollart.rollout.plan import plan_iteration
+from rollart.runner.local_loop import run_local
 from rollart.storage.ledger import SampleLedger
 from rollart.storage.lock import RunLock, RunLockedError, run_lock
 from rollart.storage.resume import ResumeError, start_run
@@ -42,7 +42,7 @@ KEY, SECRET = "rollart-lock", "rollart-lock-secret"
 LIVE_RUN = """
 import sys
 from rollart.config import load_config
-from rollart.local_loop import run_local
+from rollart.runner.local_loop import run_local
 if __name__ == "__main__":
     run_local(load_config(sys.argv[1], sys.argv[3:]), sys.argv[2])
 """

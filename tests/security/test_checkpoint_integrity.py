@@ -32,7 +32,7 @@ import torch
 
 from rollart import secrets
 from rollart.config import load_config
-from rollart.local_loop import run_local
+from rollart.runner.local_loop import run_local
 from rollart.storage.adopt import adopt_unsigned
 from rollart.storage.integrity import MAC_FIELD, CheckpointRefused, safe_name
 from rollart.storage.resume import ResumeError, find_resume_point

@@ -111,7 +111,7 @@ def test_resume_refuses_a_tampered_checkpoint(tmp_path):
     """The real resume path (the in-process loop): the RNG state of the only checkpoint is
     swapped for a pickle (and the manifest signed again); `resume` refuses it in one line
     naming the file and runs nothing from it."""
-    from rollart.local_loop import run_local
+    from rollart.runner.local_loop import run_local
 
     marker = tmp_path / "PWNED"
     root = f"storage.root={tmp_path / 'store'}"

@@ -29,8 +29,8 @@ from infra.lambda_endpoint import LocalLambda
 from infra.lambda_functions import FunctionSpec
 from infra.seaweed import start_seaweed
 from rollart import secrets
-from rollart.cluster_classes import worker_classes
 from rollart.config import dump_config, load_config
+from rollart.config.hardware import worker_classes
 from rollart.rewards.client import LambdaCredentials
 from rollart.run import RunSpec
 

@@ -6,7 +6,7 @@ evaluation report their figures per task (`rollout/task/<name>/...`, `eval/task/
 from pathlib import Path
 
 from rollart.config import load_config
-from rollart.local_loop import run_local
+from rollart.runner.local_loop import run_local
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "affinity-mix.yaml")
 FIGURES = ("episodes", "success_rate", "env_return", "episode_len", "format_error_rate",

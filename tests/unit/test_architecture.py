@@ -5,6 +5,13 @@
 - `rollart/` has no import cycle, counting imports inside functions and
   `importlib.import_module("...")` with a literal name (a lazy import hides a cycle, it does not
   remove it); imports under `if TYPE_CHECKING:` never run and are not counted.
+- Inside `rollart/`: the run package (`rollart.runner`: driver, stages, lifecycle, recovery, the
+  two modes) may import every other part; nothing outside it imports it. The config package
+  (`rollart.config`) imports nothing of rollart but itself and the few leaf modules its
+  validators need (`CONFIG_MAY_IMPORT`), so every package can import the config.
+- Between the top-level packages, each imports only those below it (`LAYERS`): `tasks` never
+  imports `flows`; `blocks` and `infra` never import `flows`, `tasks` or `cli`; `flows` never
+  imports `cli`.
 """
 
 from __future__ import annotations
@@ -14,6 +21,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("prefect", "prefect_dask", "prefect_aws", "blocks", "flows", "tasks", "infra", "cli")
+RUNNER = "rollart.runner"
+CONFIG = "rollart.config"
+# What the config's validators import outside the config package (modules and the packages
+# above them, which run first): CPU lists, the hardware catalog, the batch split by task share,
+# the reward handler registry.
+CONFIG_MAY_IMPORT = frozenset({
+    "rollart.cpu_pinning", "rollart.routing", "rollart.routing.catalog", "rollart.rollout",
+    "rollart.rollout.scheduler", "rollart.rewards", "rollart.rewards.registry"})
+# Top-level package -> the top-level packages it must never import.
+LAYERS = {
+    "tasks": ("flows", "cli"),
+    "blocks": ("flows", "tasks", "cli"),
+    "infra": ("flows", "tasks", "cli"),
+    "flows": ("cli",),
+}
 
 
 def module_name(path: Path) -> str:
@@ -127,6 +149,48 @@ def test_core_has_no_import_cycle() -> None:
     assert not found, "import cycles in rollart/:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def _inside(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def runner_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{mod} imports {t}" for mod, targets in sorted(graph.items())
+            if not _inside(mod, RUNNER) for t in sorted(targets) if _inside(t, RUNNER)]
+
+
+def config_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{mod} imports {t}" for mod, targets in sorted(graph.items())
+            if _inside(mod, CONFIG) for t in sorted(targets)
+            if not _inside(t, CONFIG) and t not in CONFIG_MAY_IMPORT]
+
+
+def layer_violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for pkg, forbidden in sorted(LAYERS.items()):
+        for path in sorted((root / pkg).rglob("*.py")):
+            mod = ".".join(path.relative_to(root).with_suffix("").parts)
+            package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+            bad += [f"{mod} imports {name}" for name in imported_names(path, package)
+                    if name.split(".")[0] in forbidden]
+    return bad
+
+
+def test_nothing_outside_the_runner_imports_it() -> None:
+    bad = runner_violations(import_graph())
+    assert not bad, f"only {RUNNER} may import {RUNNER}:\n" + "\n".join(bad)
+
+
+def test_config_imports_only_its_validators_needs() -> None:
+    bad = config_violations(import_graph())
+    assert not bad, (f"{CONFIG} may import, outside itself, only {sorted(CONFIG_MAY_IMPORT)}:\n"
+                     + "\n".join(bad))
+
+
+def test_top_level_packages_import_only_those_below() -> None:
+    bad = layer_violations()
+    assert not bad, "imports against the package layers (LAYERS):\n" + "\n".join(bad)
+
+
 def test_the_checks_can_fail(tmp_path: Path) -> None:
     """The detectors themselves: a planted cycle and a planted Prefect import are found."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -136,3 +200,17 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
                    "    importlib.import_module('blocks.secrets')\n")
     names = imported_names(src)
     assert "prefect.blocks" in names and "blocks.secrets" in names and "flows" not in names
+    graph = {"rollart.rollout.service": {"rollart.runner.driver"},
+             "rollart.runner.driver": {"rollart.config"},
+             "rollart.config.run": {"rollart.routing.catalog", "rollart.storage.store"}}
+    assert runner_violations(graph) == ["rollart.rollout.service imports rollart.runner.driver"]
+    assert config_violations(graph) == ["rollart.config.run imports rollart.storage.store"]
+    for pkg, line in (("tasks", "from flows.train import train"),
+                      ("blocks", "import tasks.stages"), ("infra", "from cli import main"),
+                      ("flows", "from cli.main import app")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "m.py").write_text(line + "\n")
+    assert {v.split()[0] for v in layer_violations(tmp_path)} == {
+        "tasks.m", "blocks.m", "infra.m", "flows.m"}
+    (tmp_path / "flows" / "m.py").write_text("from tasks.stages import collect\n")
+    assert "flows.m" not in {v.split()[0] for v in layer_violations(tmp_path)}

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from rollart.cluster_classes import (
+from rollart.config import ClusterConfig
+from rollart.config.hardware import (
     DEFAULT_STAGES,
     DEFAULT_WORKERS,
     default_stages,
     default_workers,
 )
-from rollart.config import ClusterConfig
 
 
 def test_defaults_are_the_documented_classes():

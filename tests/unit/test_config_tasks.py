@@ -1,4 +1,4 @@
-"""`tasks:` checked at load (rollart/config_tasks.py): each problem is one line naming the key
+"""`tasks:` checked at load (rollart/config/tasks.py): each problem is one line naming the key
 (`tasks.<i>.env_id`, ...) and how to fix it, before any server, cluster or env starts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollart.config import ConfigError, load_config
-from rollart.config_tasks import BUILTIN_ENV_IDS
+from rollart.config.tasks import BUILTIN_ENV_IDS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "configs" / "default.yaml"
@@ -58,7 +58,7 @@ def test_builtin_ids_match_the_registry():
     test_only = {k for k in ENV_BUILDERS if k.startswith(("test-", "plugin-test", "Crashy"))}
     registered = set(ENV_BUILDERS) - test_only
     assert set(BUILTIN_ENV_IDS) == registered, (
-        f"rollart/config_tasks.py BUILTIN_ENV_IDS {sorted(BUILTIN_ENV_IDS)} must list exactly "
+        f"rollart/config/tasks.py BUILTIN_ENV_IDS {sorted(BUILTIN_ENV_IDS)} must list exactly "
         f"the ids rollart.envs registers, {sorted(registered)}")
 
 

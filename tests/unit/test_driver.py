@@ -1,5 +1,5 @@
-"""The iteration driver (`rollart/driver.py`) with recording fakes: which stages run each step, in
-which order, with which arguments; checkpoint and evaluation cadence; the metric merge; the
+"""The iteration driver (`rollart/runner/driver.py`) with recording fakes: which stages run each
+step, in which order, with which arguments; checkpoint and evaluation cadence; the metric merge; the
 rollout service learning the version after a checkpoint."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from rollart.config import load_config
-from rollart.driver import Done, IterationDriver, plan_step
 from rollart.run import RunSpec
+from rollart.runner.driver import Done, IterationDriver, plan_step
 
 
 def cfg_with(tmp_path, *overrides: str):
@@ -205,8 +205,8 @@ def test_eval_stop_at_stops_after_consecutive_evals_and_checkpoints(tmp_path):
 
 
 def test_busy_seconds_and_orchestration_split():
-    from rollart.driver import control_plane_metrics
-    from rollart.spans import busy_seconds
+    from rollart.runner.driver import control_plane_metrics
+    from rollart.runner.spans import busy_seconds
 
     # [0,2] and [1,3] overlap -> [0,3]; [4,5] separate; clipped to the window [0.5, 4.5]
     assert busy_seconds([(0, 2), (1, 3), (4, 5)], 0.0, 10.0) == 4.0

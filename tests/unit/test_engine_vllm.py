@@ -146,7 +146,7 @@ def test_finishing_rules_and_abort(engine, tok):
 def test_backend_from_config_runs_an_iteration(tmp_path, engine):
     """`engine.backend: vllm` through EngineService (make_engine) in the local loop."""
     engine.close()  # one vLLM engine per process at a time on CPU: free the module's one
-    from rollart.local_loop import run_local
+    from rollart.runner.local_loop import run_local
 
     cfg = config_from_dict({
         "iterations": 1, "engine": {"backend": "vllm", "max_new_tokens": 4,

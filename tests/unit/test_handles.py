@@ -103,7 +103,7 @@ def test_a_stage_task_calls_with_the_runs_deadline(client):
     """A stage submitted as a raw Dask task (the flow's threads runner) runs under the run's
     call deadline even on a worker where no service set it (a worker that rejoined mid-run)."""
     from rollart.handles import detach
-    from rollart.stages import run_stage
+    from rollart.runner.stages import run_stage
 
     actor = client.submit(SlowLoader, actor=True).result()
     old = call_timeout()
@@ -172,7 +172,7 @@ def test_flush_shards_skips_a_gone_worker_but_raises_a_live_workers_error():
 
     from distributed.comm.core import CommClosedError
 
-    from rollart.dask_services import DaskServices
+    from rollart.runner.dask_services import DaskServices
 
     class Client:
         def __init__(self, answers):

@@ -1,5 +1,5 @@
-"""The restart policy of rollart/recovery.py without a cluster: which failures restart the run,
-how many times, and the clear failure when there is nothing to restart from. Services are plain
+"""The restart policy of rollart/runner/recovery.py without a cluster: which failures restart the
+run, how many times, and the clear failure when there is nothing to restart from. Services are plain
 objects whose calls fail the way a lost worker's do (the real kills are in
 tests/integration/test_service_restart.py and test_engine_failover.py)."""
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollart.recovery import lost_service, run_with_restarts
+from rollart.runner.recovery import lost_service, run_with_restarts
 
 
 class _Service:
@@ -103,9 +103,9 @@ def test_a_rerun_update_is_refused_before_it_touches_the_policy(tmp_path):
     from pathlib import Path
 
     from rollart.config import load_config
-    from rollart.driver import InProcessRunner, IterationDriver
-    from rollart.local_loop import LocalServices
     from rollart.run import RunSpec
+    from rollart.runner.driver import InProcessRunner, IterationDriver
+    from rollart.runner.local_loop import LocalServices
     from rollart.services.trainer import UpdateOutOfOrder
 
     class Keeping(InProcessRunner):  # keeps what each stage returned

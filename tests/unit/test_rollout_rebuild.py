@@ -1,5 +1,6 @@
 """A rollout service that breaks while its process lives is rebuilt from its live state
-(rollart/recovery.py `rebuild_rollout`): same trainer, engines and env hosts, nothing reloaded,
+(rollart/runner/recovery.py `rebuild_rollout`): same trainer, engines and env hosts, nothing
+reloaded,
 every sample id still consumed or dropped exactly once. Anything else falls back to the restart
 from the checkpoint."""
 
@@ -11,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import load_config
-from rollart.driver import InProcessRunner, IterationDriver
-from rollart.local_loop import LocalServices
-from rollart.recovery import lost_service, rebuild_rollout, rollout_broken
 from rollart.rollout.service_failures import RolloutBroken
 from rollart.run import RunSpec
+from rollart.runner.driver import InProcessRunner, IterationDriver
+from rollart.runner.local_loop import LocalServices
+from rollart.runner.recovery import lost_service, rebuild_rollout, rollout_broken
 from rollart.storage.ledger import SampleLedger
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "default.yaml")

@@ -1,4 +1,4 @@
-"""One run lifecycle for both modes (rollart/lifecycle.py): the in-process mode (`run_local`)
+"""One run lifecycle for both modes (rollart/runner/lifecycle.py): the in-process mode (`run_local`)
 passes the same start checks as the flow (`started_run`, what flows/train.py `_train` enters):
 a reused run id is refused unless resuming, a resume may not change a plan-defining key, a run
 someone else writes is refused, and a refusal touches nothing of the run and releases the
@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from rollart.config import load_config
-from rollart.lifecycle import started_run
-from rollart.local_loop import run_local
-from rollart.recovery import run_with_restarts
+from rollart.runner.lifecycle import started_run
+from rollart.runner.local_loop import run_local
+from rollart.runner.recovery import run_with_restarts
 from rollart.storage.lock import RunLockedError, run_lock
 from rollart.storage.resume import ResumeError
 from rollart.storage.store import RunStore

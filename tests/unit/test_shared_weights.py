@@ -8,7 +8,7 @@ import torch
 
 from rollart.engines.shared_weights import SharedWeightsWriter, host_id, read_shared
 from rollart.engines.weight_stream import WeightReceiver, send_weights
-from rollart.stages import push_weights
+from rollart.runner.stages import push_weights
 from rollart.storage.weights import serialize_weights
 
 

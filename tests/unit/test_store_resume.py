@@ -96,7 +96,7 @@ for name in dir(np.random):
 DRAWS.clear()  # Watched() seeded itself
 
 from rollart.config import load_config
-from rollart.local_loop import run_local
+from rollart.runner.local_loop import run_local
 from rollart.storage.store import RunStore
 config, root, base = sys.argv[1], sys.argv[2], sys.argv[3:]
 run_local(load_config(config, [*base, root, "iterations=3"]), "straight")
@@ -180,7 +180,7 @@ def test_resume_config_keeps_the_run_plan_and_takes_location_from_now(tmp_path):
 
 
 def test_weight_versions_in_the_store_direct_and_store_mediated_sync(tmp_path):
-    from rollart.local_loop import run_local
+    from rollart.runner.local_loop import run_local
     from rollart.storage.weights import latest_weights_version, load_weights
 
     root = f"storage.root={tmp_path}"

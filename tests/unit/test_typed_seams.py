@@ -68,7 +68,7 @@ def test_mypy_reports_a_misspelled_method_a_wrong_argument_and_a_misused_answer(
 
 def test_no_method_is_named_by_a_string_in_the_driver_and_the_stages():
     untyped = re.compile(r"""\b(call|call_while_present|_tolerant)\([^()]*?,\s*["']""")
-    for rel in ("rollart/driver.py", "rollart/stages.py"):
+    for rel in ("rollart/runner/driver.py", "rollart/runner/stages.py"):
         text = (ROOT / rel).read_text()
         assert not untyped.findall(text), f"{rel}: a call names its method by a string"
         assert "hasattr(" not in text, f"{rel}: a capability checked by name"

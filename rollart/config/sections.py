@@ -1,6 +1,6 @@
 """Config sections for the external services (rewards on Lambda, the store) and for routing.
 
-Split out of rollart/config.py to keep modules small; import them from `rollart.config`, which
+Part of the `rollart.config` package; import them from `rollart.config`, which
 re-exports them. Same rules: unknown keys fail, errors say how to fix them.
 """
 
@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rollart.config_base import _Strict
+from rollart.config.base import _Strict
 
 
 class RewardConfig(_Strict):

@@ -1,5 +1,5 @@
-"""The in-process mode: the iteration driver (`rollart/driver.py`) with every stage a plain call
-and every service a plain object in this process. No cluster, no Prefect server: benchmarks and
+"""The in-process mode: the iteration driver (`rollart/runner/driver.py`) with every stage a plain
+call and every service a plain object in this process. No cluster, no Prefect server: benchmarks and
 unit tests run the same loop as the Prefect flow.
 """
 
@@ -9,13 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rollart.config import RunConfig
-from rollart.driver import InProcessRunner, IterationDriver, IterationResult
-from rollart.lifecycle import run_lifecycle
 from rollart.metrics import summary_row
 from rollart.rollout.env_host import EnvHost
 from rollart.rollout.setup import build_rollout_service
 from rollart.rollout.shards import ShardedRollout
 from rollart.run import RunSpec
+from rollart.runner.driver import InProcessRunner, IterationDriver, IterationResult
+from rollart.runner.lifecycle import run_lifecycle
 from rollart.services import EngineService, TrainerService
 from rollart.storage.background import flush_all
 
@@ -67,7 +67,7 @@ def run_local(cfg: RunConfig, run_id: str, on_iteration: Callable[[dict], None] 
     `stop_when(greedy eval history)` may end the run early. `resume`: continue run `run_id`
     from its latest complete checkpoint (exact resume), with `cfg` as the run's config.
 
-    The flow's lifecycle (`rollart/lifecycle.py`): the run's lock, the store check, a run id
+    The flow's lifecycle (`rollart/runner/lifecycle.py`): the run's lock, the store check, a run id
     that has checkpoints refused unless `resume`, a resume refused when `cfg` changes a
     plan-defining key of the stored run config. No restarts: the services live in this
     process, so a failure aborts the run and propagates."""

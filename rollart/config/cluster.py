@@ -9,7 +9,7 @@
     kubernetes   the dask-kubernetes operator: one DaskCluster, one worker group per class with
                  node selectors / tolerations / GPU requests (`kubernetes`, infra/kubernetes.py)
 
-Split out of rollart/config.py (re-exported there). Same rules: unknown keys fail, and every
+Part of the `rollart.config` package (re-exported there). Same rules: unknown keys fail, and every
 error says how to fix it.
 """
 
@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rollart.cluster_classes import default_stages, default_workers
-from rollart.config_base import _Strict
+from rollart.config.base import _Strict
+from rollart.config.hardware import default_stages, default_workers
 from rollart.cpu_pinning import parse_cpu_list
 
 Manager = Literal["local", "address", "slurm", "kubernetes"]
@@ -238,7 +238,7 @@ class ClusterConfig(_Strict):
     max_restarts: int = Field(2, ge=0)
     """A lost trainer or rollout service (its worker died or hung past call_timeout_s): the run
     re-creates its services and resumes from the latest complete checkpoint, in the same flow run,
-    at most this many times (rollart/recovery.py); 0: the run fails instead."""
+    at most this many times (rollart/runner/recovery.py); 0: the run fails instead."""
     task_runner: Literal["threads", "dask"] = "threads"
     """How the flow runs its stage tasks (both keep every stage on a worker of its class):
     `threads`: Prefect tasks on a thread pool in the flow process, each submitting its stage as a

@@ -1,5 +1,5 @@
 """The run's long-lived services as Dask actors, each pinned to a worker of its hardware class
-(the `ServiceFactory` of `rollart/driver.py` for a Dask cluster; no Prefect here).
+(the `ServiceFactory` of `rollart/runner/driver.py` for a Dask cluster; no Prefect here).
 
     trainer        one actor on the `trainer` class; with `train.world_size` N > 1, N actors
                    (ranks) on N workers of that class behind a TrainerGroup
@@ -20,13 +20,13 @@ from urllib.parse import urlparse
 from distributed import Client
 from distributed.actor import Actor
 
-from rollart.cluster_classes import worker_classes
 from rollart.config import RunConfig
-from rollart.driver import Placement
+from rollart.config.hardware import worker_classes
 from rollart.handles import call
 from rollart.rollout.env_host import EnvHostService
 from rollart.rollout.shards import ShardedRollout
 from rollart.run import RunSpec
+from rollart.runner.driver import Placement
 from rollart.service_protocols import EngineAPI, RolloutAPI, TrainerAPI
 from rollart.services import EngineService, RolloutServiceActor, TrainerService
 from rollart.services.trainer_group import TrainerGroup

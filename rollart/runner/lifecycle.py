@@ -1,5 +1,5 @@
 """One run's lifecycle, the same for both modes: the Prefect flow (`flows/train.py`) and the
-in-process mode (`rollart/local_loop.py`).
+in-process mode (`rollart/runner/local_loop.py`).
 
 1. Lock: the run's writer lock (`rollart/storage/lock.py`), taken before any file of the run is
    touched (a resume's rollback included) and held until the run ends or aborts.
@@ -10,7 +10,7 @@ in-process mode (`rollart/local_loop.py`).
 3. Drive: the iteration driver from `start` through `iterations` to `finish` (final checkpoint
    and every upload durable). Where the mode can restart (the flow: services are actors on
    workers that may be lost), a lost service makes the run resume from its latest checkpoint on
-   new services (`rollart/recovery.py` `run_with_restarts`); where it cannot (in-process), a
+   new services (`rollart/runner/recovery.py` `run_with_restarts`); where it cannot (in-process), a
    failure aborts the driver and propagates.
 4. Release the lock, at the end or on abort alike.
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollart.config import RunConfig
-from rollart.driver import IterationDriver, IterationResult
-from rollart.recovery import run_with_restarts
 from rollart.run import RunSpec
+from rollart.runner.driver import IterationDriver, IterationResult
+from rollart.runner.recovery import run_with_restarts
 from rollart.storage.lock import RunLock, run_lock
 from rollart.storage.resume import FLOW_RESUME_HINT, ResumePoint, start_run
 

@@ -1,6 +1,6 @@
 """Checks of `tasks:` that need more than one task's fields: env ids, shares against the batch.
 
-Split out of rollart/config.py (which calls `check_tasks` from RunConfig's validator) to keep
+Part of the `rollart.config` package (`RunConfig`'s validator calls `check_tasks`), to keep
 modules small. Errors are `KeyedValueError`s: the config's one-line error then names the exact
 key (`tasks.1.env_id`), not the whole config.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from rollart.rollout.scheduler import split_by_share
 
 if TYPE_CHECKING:
-    from rollart.config import TaskConfig
+    from rollart.config.training import TaskConfig
 
 # The ids and id prefixes rollart.envs registers with `@register_env`. Known here as data:
 # rollart.envs imports rollart.config (TaskConfig), so importing the registry from a config

@@ -34,8 +34,8 @@ from rollart.rollout.failover import is_replica_loss
 from rollart.rollout.plan import plan_eval
 from rollart.rollout.setup import sampling_params
 from rollart.run import RunSpec
+from rollart.runner.spans import timed_stage
 from rollart.service_protocols import EngineAPI, RolloutAPI, TrainerAPI
-from rollart.spans import timed_stage
 from rollart.storage.background import shard_writer
 from rollart.types import Completion, GenerationRequest, SamplingParams, Trajectory
 
@@ -173,8 +173,8 @@ def sync_weights(trainer: TrainerAPI, engines: list[EngineAPI], rollout: Rollout
 def _tolerant(method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R | None:
     """A call to an engine replica (`_tolerant(call(engine).method, *args)`); None when the
     replica turns out to be lost (its worker died or hung past the deadline): the rollout
-    service fails it over, the supervisor brings it back (rollart/recovery.py), and this stage
-    goes on with the others."""
+    service fails it over, the supervisor brings it back (rollart/runner/recovery.py), and this
+    stage goes on with the others."""
     try:
         return method(*args, **kwargs)
     except Exception as err:

@@ -3,7 +3,8 @@
 Both ways of running consume it, so tests and benchmarks exercise the loop that users run:
 - the Prefect flow (`flows/train.py`): stages are Prefect tasks on hardware-class Dask workers,
   services are Dask actors;
-- the in-process mode (`rollart/local_loop.py`): stages are plain calls, services plain objects.
+- the in-process mode (`rollart/runner/local_loop.py`): stages are plain calls, services plain
+  objects.
 They differ only in a `StageRunner` (where a stage runs) and a `ServiceFactory` (where the
 long-lived services live).
 
@@ -23,14 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rollart import stages
 from rollart.config import RunConfig
 from rollart.handles import call, release, set_call_timeout
-from rollart.metric_sinks import make_sinks
-from rollart.recovery import EngineSupervisor, rebuild_rollout
 from rollart.run import RunSpec
+from rollart.runner import stages
+from rollart.runner.metric_sinks import make_sinks
+from rollart.runner.recovery import EngineSupervisor, rebuild_rollout
+from rollart.runner.spans import SPAN, busy_seconds, info_of
 from rollart.service_protocols import EngineAPI, ReplacesEngines, RolloutAPI, TrainerAPI
-from rollart.spans import SPAN, busy_seconds, info_of
 
 # The hardware-class role (a key of `cluster.stages`) each stage runs on.
 STAGE_ROLE: dict[str, str] = {
@@ -52,7 +53,7 @@ class Pending(Protocol):
 
 
 class StageRunner(Protocol):
-    """Runs stage `stage` (a function of `rollart.stages`) with `args`, after `after`. A
+    """Runs stage `stage` (a function of `rollart.runner.stages`) with `args`, after `after`. A
     submitted stage's handle may be passed as an argument of a later stage (its value then
     reaches that stage where it runs); `info` waits for a stage and returns only its info
     dict (metrics, where it ran, its span), which is all the driver needs from it."""
