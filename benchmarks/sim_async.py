@@ -100,7 +100,7 @@ def main() -> None:
         alpha, batching = VARIANTS[name]
         cfg = SimConfig(tasks=tasks, engine=engine, trainer=trainer, group_size=8, num_groups=4,
                         max_staleness=alpha, engines=a.engines, iterations=a.iterations,
-                        batching=batching, seed=a.seed)
+                        batching=batching, max_consecutive_failures=0, seed=a.seed)
         pred[name] = simulate(cfg).summary()
     cpu_s = time.perf_counter() - t0
     base = pred.get("sync", next(iter(pred.values())))["wall_s"]

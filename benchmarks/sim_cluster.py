@@ -92,7 +92,8 @@ def config(mode: str, gpus: int, failures: bool, iterations: int, seed: int) -> 
     alpha = 0 if mode in ("a_monolithic_sync", "b_sync_disagg") else 1
     sim = SimConfig(tasks=tasks(failures), engine=EngineModel(overhead_s=0.01),
                     trainer=TrainerModel(0.0), group_size=8, num_groups=gpus // 8,
-                    max_staleness=alpha, max_retries=3, iterations=iterations, seed=seed)
+                    max_staleness=alpha, max_retries=3, iterations=iterations, seed=seed,
+                    batching="continuous", max_consecutive_failures=0)
     env = EnvModel(startup=LatencyConfig(median_s=10.0, sigma=0.5),
                    startup_fail_prob=0.1 if failures else 0.0, startup_timeout_s=60.0)
     fixed = RewardModel(kind="fixed", workers=max(1, gpus // 8), cost=REWARD_COST)

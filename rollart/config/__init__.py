@@ -14,8 +14,9 @@ Import every name from `rollart.config`; the submodules only keep each file smal
 
 Rule (tests/unit/test_architecture.py): this package imports no other part of rollart except the
 few leaf modules its validators need (`rollart.cpu_pinning`, `rollart.routing.catalog`,
-`rollart.rollout.scheduler`'s `split_by_share`, `rollart.rewards.registry` lazily), so every
-other package can import it.
+`rollart.rewards.registry` lazily), so every other package can import it. The defaults of
+`rollout.*` live here only (`rollout_defaults()`): the rollout scheduler's `SchedulerConfig` and
+the simulator's `SimConfig` take theirs from it.
 """
 
 from rollart.config.base import (
@@ -45,7 +46,7 @@ from rollart.config.sections import (
     SlowdownConfig,
     StorageConfig,
 )
-from rollart.config.tasks import KeyedValueError, check_tasks
+from rollart.config.tasks import KeyedValueError, check_tasks, split_by_share
 from rollart.config.training import (
     AlgoConfig,
     EvalConfig,
@@ -53,6 +54,7 @@ from rollart.config.training import (
     RolloutConfig,
     TaskConfig,
     TrainConfig,
+    rollout_defaults,
 )
 
 __all__ = [
@@ -62,5 +64,5 @@ __all__ = [
     "RolloutConfig", "RoutingConfig", "RunConfig", "SlowdownConfig", "StorageConfig",
     "TaskConfig", "TinyModelConfig", "TrainConfig", "VLLMEngineConfig", "_Strict",
     "_format_error", "apply_overrides", "check_overrides", "check_run_id", "check_tasks",
-    "config_from_dict", "dump_config", "load_config",
+    "config_from_dict", "dump_config", "load_config", "rollout_defaults", "split_by_share",
 ]

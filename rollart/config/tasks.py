@@ -7,14 +7,24 @@ key (`tasks.1.env_id`), not the whole config.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from rollart.rollout.scheduler import split_by_share
-
 if TYPE_CHECKING:
     from rollart.config.training import TaskConfig
+
+def split_by_share(total: int, shares: list[float]) -> list[int]:
+    """Largest-remainder split of `total` items by relative shares (sums exactly to total)."""
+    weight = sum(shares)
+    raw = [total * s / weight for s in shares]
+    counts = [math.floor(x) for x in raw]
+    order = sorted(range(len(shares)), key=lambda i: raw[i] - counts[i], reverse=True)
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
 
 # The ids and id prefixes rollart.envs registers with `@register_env`. Known here as data:
 # rollart.envs imports rollart.config (TaskConfig), so importing the registry from a config

@@ -254,3 +254,9 @@ class LoggingConfig(_Strict):
             raise ValueError("logging.tensorboard needs the tensorboard package "
                              "(pip install 'rollart[tensorboard]', part of the dev venv)")
         return self
+
+
+def rollout_defaults() -> dict[str, Any]:
+    """The default of every `rollout.*` key: the one home of these defaults, which the rollout
+    scheduler (`SchedulerConfig`) and the simulator (`SimConfig`) take theirs from."""
+    return {name: f.default for name, f in RolloutConfig.model_fields.items()}

@@ -20,13 +20,16 @@ the real rollout service and the simulator.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollart.config.tasks import split_by_share
+from rollart.config.training import RolloutConfig, rollout_defaults
 from rollart.rollout.ids import sample_id
+
+_ROLLOUT = rollout_defaults()  # the defaults of `rollout.*`, from their one home
 
 
 @dataclass(frozen=True)
@@ -63,28 +66,33 @@ class GroupState:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's settings: `rollout.*` of the run config (`from_rollout`), whose defaults
+    are the ones here too (one home: `RolloutConfig`), plus what the run derives (batch groups,
+    task shares, a shard's quota, the number of updates)."""
+
     group_size: int
     batch_groups: int  # complete groups per update
-    max_staleness: int = 0
-    redundancy: int = 0
-    max_retries: int = 2
+    max_staleness: int = _ROLLOUT["max_staleness"]
+    redundancy: int = _ROLLOUT["redundancy"]
+    max_retries: int = _ROLLOUT["max_retries"]
     max_updates: int | None = None  # updates the run will take; no group starts after the last
-    max_consecutive_failures: int = 0  # this many failures in a row make `halted` true; 0: never
+    # this many failures in a row make `halted` true; 0: never
+    max_consecutive_failures: int = _ROLLOUT["max_consecutive_failures"]
     task_shares: tuple[tuple[str, float], ...] = (("default", 1.0),)
     # Groups per batch of each task for this scheduler, when it runs one shard of the batch
     # (rollart/rollout/shards.py); None: split `batch_groups` by `task_shares`.
     quota: tuple[tuple[str, int], ...] | None = None
 
-
-def split_by_share(total: int, shares: list[float]) -> list[int]:
-    """Largest-remainder split of `total` items by relative shares (sums exactly to total)."""
-    weight = sum(shares)
-    raw = [total * s / weight for s in shares]
-    counts = [math.floor(x) for x in raw]
-    order = sorted(range(len(shares)), key=lambda i: raw[i] - counts[i], reverse=True)
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, task_shares: tuple[tuple[str, float], ...],
+                     max_updates: int | None = None,
+                     quota: tuple[tuple[str, int], ...] | None = None) -> SchedulerConfig:
+        """The scheduler of a run's `rollout:` section (`batch_groups` = `rollout.num_groups`)."""
+        return cls(group_size=rollout.group_size, batch_groups=rollout.num_groups,
+                   max_staleness=rollout.max_staleness, redundancy=rollout.redundancy,
+                   max_retries=rollout.max_retries, max_updates=max_updates,
+                   max_consecutive_failures=rollout.max_consecutive_failures,
+                   task_shares=task_shares, quota=quota)
 
 
 # (task, group index within the task) -> (group id, seed); the rollout service maps them onto

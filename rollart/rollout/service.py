@@ -80,12 +80,9 @@ class RolloutService(ReplicaFailures):
         self.max_context = max_context
         self.tasks = {t.name: t for t in cfg.tasks}
         self.sched = RolloutScheduler(
-            SchedulerConfig(group_size=r.group_size, batch_groups=r.num_groups,
-                            max_staleness=r.max_staleness, redundancy=r.redundancy,
-                            max_retries=r.max_retries, max_updates=cfg.iterations,
-                            max_consecutive_failures=r.max_consecutive_failures,
-                            task_shares=tuple((t.name, t.share) for t in cfg.tasks),
-                            quota=quota),
+            SchedulerConfig.from_rollout(
+                r, task_shares=tuple((t.name, t.share) for t in cfg.tasks),
+                max_updates=cfg.iterations, quota=quota),
             version=version, first_iteration=version,
             group_of=shard_namer(cfg, namer, *shard) if shard[1] > 1 else namer)
         lockstep = r.batching == "lockstep"

@@ -95,7 +95,8 @@ def validate_async(m: dict, seeds: int = 8, overhead_share: float = 0.5,
         for label, upd in runs:
             cfgs = [SimConfig(tasks=tasks, engine=engine, trainer=TrainerModel(upd, sync_s),
                               group_size=group_size, num_groups=num_groups,
-                              max_staleness=alpha, iterations=it, batching=batching, seed=k)
+                              max_staleness=alpha, iterations=it, batching=batching, seed=k,
+                              max_consecutive_failures=0)
                     for k in range(seeds)]
             walls[label] = sum(simulate(c).wall_s for c in cfgs) / seeds
         pred = walls["per_variant_update"]

@@ -149,7 +149,7 @@ def simulate_affinity_bench(m: dict, policy: str, seed: int,
                                     time_scale=em["time_scale"], forward=False) for c in classes}
     sim = SimConfig(tasks=tasks, engine=EngineModel(overhead_s=1e-9), trainer=TrainerModel(0.0),
                     group_size=1, num_groups=w["episodes_per_task"] * len(tasks), iterations=1,
-                    seed=seed)
+                    seed=seed, batching="continuous", max_consecutive_failures=0)
     pools = tuple(PoolModel(c.name, 1, gpus_per_replica=1, max_batch=w["batch"], prefill_eff=1.0,
                             decode_eff=1.0, batching="static") for c in classes)
     # the benchmark's router: CostModel.for_model(params, bytes, decode_batch=batch), no cache

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollart.config import LatencyConfig
+from rollart.config.training import rollout_defaults
 from rollart.rollout.scheduler import SchedulerConfig, split_by_share
+
+_ROLLOUT = rollout_defaults()  # the defaults of `rollout.*`, from their one home
 
 
 class SimConfigError(ValueError):
@@ -114,20 +117,22 @@ class TrainerModel:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """The rollout settings mirror `rollout.*` of a run config (same names, same meaning)."""
+    """The rollout settings mirror `rollout.*` of a run config (same names, same meaning, same
+    defaults: taken from `RolloutConfig`, their one home)."""
 
     tasks: tuple[TaskModel, ...]
     engine: EngineModel
     trainer: TrainerModel
-    group_size: int = 8
-    num_groups: int = 4
-    max_staleness: int = 0
-    redundancy: int = 0
-    max_retries: int = 2
-    max_consecutive_failures: int = 0
+    # Rollout settings: `rollout.*` of a run config, with its defaults (their one home).
+    group_size: int = _ROLLOUT["group_size"]
+    num_groups: int = _ROLLOUT["num_groups"]
+    max_staleness: int = _ROLLOUT["max_staleness"]
+    redundancy: int = _ROLLOUT["redundancy"]
+    max_retries: int = _ROLLOUT["max_retries"]
+    max_consecutive_failures: int = _ROLLOUT["max_consecutive_failures"]
     engines: int = 1
     iterations: int = 10
-    batching: Literal["continuous", "lockstep"] = "continuous"
+    batching: Literal["continuous", "lockstep"] = _ROLLOUT["batching"]
     seed: int = 0
 
     def __post_init__(self) -> None:

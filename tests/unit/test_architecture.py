@@ -24,11 +24,10 @@ FORBIDDEN = ("prefect", "prefect_dask", "prefect_aws", "blocks", "flows", "tasks
 RUNNER = "rollart.runner"
 CONFIG = "rollart.config"
 # What the config's validators import outside the config package (modules and the packages
-# above them, which run first): CPU lists, the hardware catalog, the batch split by task share,
-# the reward handler registry.
+# above them, which run first): CPU lists, the hardware catalog, the reward handler registry.
 CONFIG_MAY_IMPORT = frozenset({
-    "rollart.cpu_pinning", "rollart.routing", "rollart.routing.catalog", "rollart.rollout",
-    "rollart.rollout.scheduler", "rollart.rewards", "rollart.rewards.registry"})
+    "rollart.cpu_pinning", "rollart.routing", "rollart.routing.catalog", "rollart.rewards",
+    "rollart.rewards.registry"})
 # Top-level package -> the top-level packages it must never import.
 LAYERS = {
     "tasks": ("flows", "cli"),

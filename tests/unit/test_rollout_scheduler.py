@@ -156,7 +156,8 @@ def test_consecutive_failures_halt_and_a_finisher_resets_the_count():
 
 
 def test_zero_disables_the_consecutive_failure_halt():
-    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_retries=100),
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, max_retries=100,
+                                         max_consecutive_failures=0),
                          group_of=lambda task, i: (f"g{i}", i))
     s.fill()
     for k in range(50):
@@ -186,3 +187,24 @@ def test_unconsumed_groups_survive_export_and_import_with_new_member_ids():
     fresh.on_version(1)
     assert fresh.take_batch(1) == {"g1": ["g1/m0", "g1/m2"]}
     assert [x.group_id for x in fresh.fill()] == ["g2", "g2"]  # the plan cursor continued
+
+
+def test_scheduler_and_simulator_take_the_rollout_defaults_from_the_config():
+    """One home per default: `rollout.*` in RolloutConfig; the scheduler and the simulator agree."""
+    import dataclasses
+
+    from rollart.config import RolloutConfig, load_config
+    from rollart.sim.workload import SimConfig
+
+    r = RolloutConfig()
+    sched = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
+    for name in ("max_staleness", "redundancy", "max_retries", "max_consecutive_failures"):
+        assert sched[name] == getattr(r, name), name
+    sim = {f.name: f.default for f in dataclasses.fields(SimConfig)}
+    for name in ("group_size", "num_groups", "max_staleness", "redundancy", "max_retries",
+                 "max_consecutive_failures", "batching"):
+        assert sim[name] == getattr(r, name), name
+    cfg = load_config(None, ["rollout.max_consecutive_failures=7", "rollout.redundancy=1"])
+    s = SchedulerConfig.from_rollout(cfg.rollout, task_shares=(("t", 1.0),), max_updates=3)
+    assert (s.group_size, s.batch_groups, s.redundancy, s.max_consecutive_failures,
+            s.max_updates) == (cfg.rollout.group_size, cfg.rollout.num_groups, 1, 7, 3)

@@ -29,7 +29,8 @@ FIXED = LatencyConfig(median_s=0.5, sigma=0.0)
 
 
 def det(alpha: int = 0, update_s: float = 1.0, iterations: int = 5, **kw) -> SimConfig:
-    args = {"group_size": 2, "num_groups": 2, "max_staleness": alpha, "iterations": iterations}
+    args = {"group_size": 2, "num_groups": 2, "max_staleness": alpha, "iterations": iterations,
+            "batching": "continuous", "max_consecutive_failures": 0}
     args.update(kw)
     return SimConfig(tasks=(TaskModel("t", turns=(3, 3), latency=FIXED),),
                      engine=EngineModel(overhead_s=0.1, per_request_s=0.01),
@@ -85,7 +86,8 @@ def test_sync_waits_for_the_call_in_progress():
     cfg = SimConfig(tasks=(TaskModel("t", turns=(1, 1), latency=FIXED),),
                     engine=EngineModel(overhead_s=0.1, per_request_s=1.0),
                     trainer=TrainerModel(update_s=0.05, sync_s=0.25),
-                    group_size=2, num_groups=2, max_staleness=1, iterations=3)
+                    group_size=2, num_groups=2, max_staleness=1, iterations=3,
+                    batching="continuous", max_consecutive_failures=0)
     r = simulate(cfg)
     # Batches 0, 1 (8 turns) in one call: done at 8.1 + 0.5 = 8.6. Update 0 to 8.65, sync to
     # 8.9; batch 2 starts (call 8.9 -> 13.0) and batch 1 is taken at once: update to 8.95,
@@ -124,7 +126,8 @@ def test_random_failures_match_scheduler_counters():
     task = TaskModel("t", turns=(1, 4), fail_prob=0.1, latency=LatencyConfig(median_s=0.1))
     cfg = SimConfig(tasks=(task,), engine=EngineModel(0.05, 0.001),
                     trainer=TrainerModel(0.5, 0.1), group_size=4, num_groups=3,
-                    max_staleness=1, max_retries=1, iterations=20, seed=3)
+                    max_staleness=1, max_retries=1, iterations=20, seed=3,
+                    batching="continuous", max_consecutive_failures=0)
     r = simulate(cfg)
     c = r.counters
     assert c["injected_failures"] == c["failed"] > 10
@@ -135,7 +138,8 @@ def test_random_failures_match_scheduler_counters():
 def test_all_failing_halts_like_the_service():
     task = TaskModel("t", fail_prob=0.999, latency=FIXED)
     cfg = SimConfig(tasks=(task,), engine=EngineModel(0.1), trainer=TrainerModel(1.0),
-                    group_size=2, num_groups=1, max_consecutive_failures=5, iterations=3)
+                    group_size=2, num_groups=1, max_consecutive_failures=5, iterations=3,
+                    batching="continuous")
     r = simulate(cfg)
     assert r.halted and r.updates == 0 and r.counters["failed"] == 5
 
@@ -147,7 +151,8 @@ def heavy(alpha: int, seed: int = 0, batching: str = "continuous") -> SimConfig:
     tasks = (TaskModel("lake", turns=(1, 8)), TaskModel("slow", turns=(1, 8), latency=HEAVY))
     return SimConfig(tasks=tasks, engine=EngineModel(0.015, 0.0008),
                      trainer=TrainerModel(0.4, 0.08), group_size=8, num_groups=4,
-                     max_staleness=alpha, iterations=30, batching=batching, seed=seed)
+                     max_staleness=alpha, iterations=30, batching=batching, seed=seed,
+                     max_consecutive_failures=0)
 
 
 @pytest.mark.parametrize("alpha", [0, 1, 2])

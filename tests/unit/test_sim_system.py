@@ -37,7 +37,8 @@ def system(tasks, pools=(None,), iterations=1, group_size=1, num_groups=1, alpha
            update_s=1.0, sync_s=0.5, **kw):
     sim = SimConfig(tasks=tuple(tasks), engine=EngineModel(overhead_s=1e-9),
                     trainer=TrainerModel(update_s, sync_s), group_size=group_size,
-                    num_groups=num_groups, max_staleness=alpha, iterations=iterations)
+                    num_groups=num_groups, max_staleness=alpha, iterations=iterations,
+                    batching="continuous", max_consecutive_failures=0)
     pools = tuple(p or pool() for p in pools)
     return SystemConfig(sim=sim, pools=pools, model=MODEL, catalog=CATALOG, **kw)
 
