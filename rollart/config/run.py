@@ -8,11 +8,12 @@ the dotted path of the offending key. `load_config(path, overrides)` is the only
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rollart.config.base import RUN_ID_RE, ConfigError, _Strict, apply_overrides
 from rollart.config.cluster import ClusterConfig
@@ -207,6 +208,33 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(_format_error(err)) from None
 
 
+def _seed_default_maps(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Give an override into one entry of a map of plain values (`cluster.workers.H800=2`) the
+    map's defaults to change when the file does not set the map, so configs restate only what
+    they change and `--set` still edits one entry (instead of replacing the map by that entry).
+    Maps whose model merges entries over its defaults itself (`hardware`) are left alone."""
+    for item in overrides:
+        parts = item.partition("=")[0].strip().split(".")
+        model: type[BaseModel] = RunConfig
+        node: Any = data
+        for part in parts[:-1]:
+            field = model.model_fields.get(part)
+            if field is None or not isinstance(node, dict):
+                break
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                if node.get(part) is None:
+                    node[part] = {}
+                node, model = node[part], ann
+                continue
+            default = field.get_default(call_default_factory=True)
+            if (isinstance(default, dict) and default and node.get(part) is None
+                    and all(isinstance(v, (str, int, float)) for v in default.values())):
+                node[part] = copy.deepcopy(default)
+            break
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     data: dict[str, Any] = {}
     if path is not None:
@@ -220,7 +248,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded
-    return config_from_dict(apply_overrides(data, overrides or []))
+    overrides = overrides or []
+    return config_from_dict(apply_overrides(_seed_default_maps(data, overrides), overrides))
 
 
 def dump_config(cfg: RunConfig) -> str:

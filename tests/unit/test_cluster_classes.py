@@ -30,3 +30,22 @@ def test_config_defaults_come_from_the_one_home_and_are_copies():
     assert "H200" not in DEFAULT_WORKERS and DEFAULT_STAGES["engine"] == "H20"
     with pytest.raises(TypeError):
         DEFAULT_WORKERS["H200"] = 1  # type: ignore[index]
+
+
+def test_configs_restate_no_default_hardware_classes_and_set_edits_one_entry():
+    """The default classes have one home (rollart/config/hardware.py): no file in configs/
+    restates them, and `--set cluster.workers.H800=2` on such a file edits one entry of the
+    default map rather than replacing the map."""
+    from pathlib import Path
+
+    import yaml
+
+    from rollart.config import load_config
+
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")):
+        cluster = (yaml.safe_load(path.read_text()) or {}).get("cluster") or {}
+        assert cluster.get("workers") != default_workers(), path.name
+        assert cluster.get("stages") != default_stages(), path.name
+        cfg = load_config(path, ["cluster.workers.H800=2", "cluster.stages.env=H20"])
+        assert cfg.cluster.workers == {**default_workers(), "H800": 2}, path.name
+        assert cfg.cluster.stages == {**default_stages(), "env": "H20"}, path.name
