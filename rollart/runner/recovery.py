@@ -22,13 +22,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from rollart.handles import call, release
 from rollart.rollout.failover import is_replica_loss
 from rollart.rollout.service_failures import RolloutBroken
+from rollart.service_protocols import EngineAPI, RolloutAPI
+from rollart.types import Trajectory
 
 log = logging.getLogger("rollart")
+
+
+class HandsOver(Protocol):
+    """A single rollout service (not a sharded one): its live state for a replacement."""
+
+    def handover(self) -> tuple[bytes | None, list[Trajectory]]: ...
 
 
 class EngineFactory(Protocol):
@@ -37,8 +45,9 @@ class EngineFactory(Protocol):
 
 
 class EngineSupervisor:
-    def __init__(self, engines: list[Any], trainer: Any, rollout: Any, factory: EngineFactory,
-                 push: Any, poll_s: float = 1.0, probe_timeout_s: float = 5.0) -> None:
+    def __init__(self, engines: list[EngineAPI], trainer: Any, rollout: RolloutAPI,
+                 factory: EngineFactory, push: Any, poll_s: float = 1.0,
+                 probe_timeout_s: float = 5.0) -> None:
         """`engines` is the driver's list of replica handles, updated in place on replacement;
         `push(trainer, engines)` loads the trainer's current weights into `engines`."""
         self.engines, self.trainer, self.rollout = engines, trainer, rollout
@@ -84,7 +93,7 @@ class EngineSupervisor:
 
     def check_once(self) -> list[int]:
         """One round: returns the replica indices brought back."""
-        lost = set(call(self.rollout, "lost_engines"))
+        lost = set(call(self.rollout).lost_engines())
         with self.lock:
             self.lost = lost
         back = []
@@ -97,7 +106,7 @@ class EngineSupervisor:
 
     def _answers(self, engine: Any) -> bool:
         try:
-            call(engine, "weight_version", timeout=self.probe_timeout_s)
+            call(engine, timeout=self.probe_timeout_s).weight_version()
             return True
         except Exception as err:
             if is_replica_loss(err):
@@ -114,7 +123,7 @@ class EngineSupervisor:
             if engine is None:
                 return False  # no free worker of its class yet
         self.push(self.trainer, [engine])
-        call(self.rollout, "replace_engine", index, self.factory.engine_ref(engine))
+        call(self.rollout).replace_engine(index, self.factory.engine_ref(engine))
         if engine is not old:
             release(old)
         with self.lock:
@@ -156,14 +165,14 @@ def rebuild_rollout(driver: Any, err: BaseException, iteration: int,
     t0 = time.time()
     old = svc.rollout
     try:
-        state, pending = call(old, "handover", timeout=probe_timeout_s)
+        state, pending = call(cast(HandsOver, old), timeout=probe_timeout_s).handover()
     except Exception as gone:  # its worker went too: the checkpoint path
         log.warning("rollout service broken and its state unreachable (%s): restart from "
                     "the checkpoint", gone)
         return None
-    new = driver.factory.rollout(svc.engines, svc.hosts, iteration)
-    restored = call(new, "restore_state", state, pending) if state is not None else {}
-    driver.placed("rollout_service", call(new, "start") or {})
+    new: RolloutAPI = driver.factory.rollout(svc.engines, svc.hosts, iteration)
+    restored = call(new).restore_state(state, pending) if state is not None else {}
+    driver.placed("rollout_service", call(new).start() or {})
     svc.rollout = new
     if driver.supervisor is not None:
         driver.supervisor.rollout = new
