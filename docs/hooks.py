@@ -286,6 +286,17 @@ def _chaos(d: dict) -> str:
             f"(clean - chaos) {gap['mean']:.1f}")
 
 
+def _chaos_spread(d: dict) -> str:
+    crash = d["rollout_crash_recovered_s"]
+    tr = d["train_success_gap"]
+    return (f"{d['faults_n']} faults of {len(d['fault_kinds'])} kinds over "
+            f"{len(d['seeds'])} seeds, all recovered: {d['all_recovered']}; duplicated "
+            f"{d['duplicated']}, unaccounted {d['unaccounted']}; a broken rollout service "
+            f"rebuilt from its live state in {_r(min(crash), max(crash), '{:.1f}')} s; "
+            f"final-eval gap {d['final_eval_gap']['mean']:.1f}, training-success gap "
+            f"{tr['mean']:+.2f} ({tr['min']:+.2f} to {tr['max']:+.2f})")
+
+
 def _chaos_rank(d: dict) -> str:
     f = d["faults"][0]
     return (f"a trainer rank killed: detected {f['detected_s']:.0f} s, recovered "
@@ -376,6 +387,8 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Checkpoints on S3", "python benchmarks/checkpoint_s3.py", "checkpoint_s3.json", _ckpt),
     ("Security overhead", "python benchmarks/security_overhead.py --repeats 2",
      "security_overhead_rerun.json", _security),
+    ("Chaos (faults spread over the run, 3 seeds)", "python benchmarks/chaos.py --iterations "
+     "40 --seeds 0 1 2", "chaos.json", _chaos_spread),
     ("Chaos (faults of every kind, 60 iterations)", "python benchmarks/chaos.py --iterations 60 "
      "--seeds 0 --out results/chaos_guard.json", "chaos_guard.json", _chaos),
     ("Chaos: a trainer rank lost", "python benchmarks/chaos.py --scenario trainer_rank "
