@@ -41,6 +41,7 @@ Learning figures and gaps: benchmarks/chaos_figures.py. Writes results/chaos.jso
 one summary line.
 
     python benchmarks/chaos.py --iterations 40 --seeds 0 1 2   (~10 min per pair, 2 cores)
+    python benchmarks/chaos.py --iterations 60 --seeds 0 1 2 --after-greedy
     python benchmarks/chaos.py --seeds 1 --merge    (one pair; keeps the other seeds' pairs)
     python benchmarks/chaos.py --scenario trainer_rank --iterations 8 --seeds 0 \
         --out results/chaos_trainer_rank.json
@@ -87,6 +88,7 @@ SCENARIOS = {"services": (WORKERS, []),
              "trainer_rank": ({**WORKERS, "H800": 2}, ["train.world_size=2",
                                                        "cluster.workers.H800=2"])}
 # fault -> fraction of the run's iterations done when it is due (the module's doc)
+LATE = ("rollout", "crash", "hang", "engine", "env")  # --after-greedy: after the first success
 SCHEDULE = {"lambda": 0.05, "s3": 0.12, "trainer": 0.25, "rollout": 0.40, "crash": 0.50,
             "hang": 0.60, "engine": 0.72, "env": 0.85}
 CALL_TIMEOUT_S = 60  # a policy update takes ~35 s on a busy 2-core host: keep it generous
@@ -138,12 +140,15 @@ class Chaos:
 
     def __init__(self, run_id: str, client: Any, store: Any, rows: Rows, s3: Any,
                  s3_watch: Watch, endpoint: Endpoint, lambda_watch: Watch,
-                 scenario: str = "services", iterations: int = 40) -> None:
+                 scenario: str = "services", iterations: int = 40,
+                 after_greedy: bool = False) -> None:
         self.run_id, self.client, self.store, self.rows = run_id, client, store, rows
         self.scenario = scenario
         self.s3, self.s3_watch, self.endpoint, self.lambda_watch = s3, s3_watch, endpoint, \
             lambda_watch
         self.iterations = iterations
+        self.after_greedy = after_greedy
+        self.due: dict[str, int] = {}
         self.faults: list[dict[str, Any]] = []
         self.error: str | None = None
         self.stopped: int | None = None  # pid under SIGSTOP
@@ -235,7 +240,7 @@ class Chaos:
                      if any(k.endswith("-r1") for k in keys)]
             self.kill("trainer_rank_kill", rank1[0], rank=1)
             return
-        due = {k: max(0, round(f * self.iterations) - 1) for k, f in SCHEDULE.items()}
+        due = self.due = {k: max(0, round(f * self.iterations) - 1) for k, f in SCHEDULE.items()}
         self.wait(lambda: rows.reached() >= due["lambda"])
         self.restart("lambda_restart", self.endpoint.stop, self.endpoint.start,
                      self.lambda_watch)
@@ -245,14 +250,14 @@ class Chaos:
                   and self.checkpoint_from(round(0.2 * self.iterations)))
         self.kill("trainer_kill", next(iter(holders(self.client, "trainer-"))))
         t = self.faults[-1]["injected_at"]
-        self.wait(lambda: rows.past(t) is not None and rows.reached() >= due["rollout"]
-                  and self.checkpoint_from(round(0.35 * self.iterations)))
+        self.wait(lambda: rows.past(t) is not None and self.due_now("rollout")
+                  and (self.after_greedy or self.checkpoint_from(round(0.35 * self.iterations))))
         self.kill("rollout_service_kill", next(iter(holders(self.client, "rollout-"))))
         t = self.faults[-1]["injected_at"]
-        self.wait(lambda: rows.past(t) is not None and rows.reached() >= due["crash"])
+        self.wait(lambda: rows.past(t) is not None and self.due_now("crash"))
         self.crash_rollout()
         t = self.faults[-1]["injected_at"]
-        self.wait(lambda: rows.past(t) is not None and rows.reached() >= due["hang"])
+        self.wait(lambda: rows.past(t) is not None and self.due_now("hang"))
         worker = self.engines()[1]
         pid = worker_pid(self.client, worker)
         t0 = time.time()
@@ -269,13 +274,26 @@ class Chaos:
         hang["stopped_s"] = round(time.time() - t0, 1)
         t_w = time.monotonic()  # probed back into rotation (or 3 min), and a row
         self.wait(lambda: (1 not in self.lost_engines() or time.monotonic() - t_w > 180)
-                  and rows.after(t0 + hang["stopped_s"]) >= 1 and rows.reached() >= due["engine"])
+                  and rows.after(t0 + hang["stopped_s"]) >= 1 and self.due_now("engine"))
         self.kill("engine_kill", self.engines()[0], replica=0)
         t = self.faults[-1]["injected_at"]
-        self.wait(lambda: rows.after(t) >= 1 and rows.reached() >= due["env"])
+        self.wait(lambda: rows.after(t) >= 1 and self.due_now("env"))
         rollout = set(holders(self.client, "rollout-"))
         env = [w for w in holders(self.client, "env-host-") if w not in rollout]
         self.kill("env_host_kill", env[0])
+
+    def due_now(self, kind: str) -> bool:
+        """Whether fault `kind` is due: at its fraction of the run; with `--after-greedy` a late
+        fault instead waits for the run's own first successful greedy evaluation (then one
+        every 2 iterations), or for the last iterations that still leave room for the rest."""
+        reached = self.rows.reached()
+        if not self.after_greedy or kind not in LATE:
+            return reached >= self.due[kind]
+        k = LATE.index(kind)
+        last_chance = self.iterations - 3 * (len(LATE) - k) - 1
+        first = self.rows.first_greedy
+        return reached >= (last_chance if first is None else min(first + 1 + 2 * k,
+                                                                 last_chance))
 
     def crash_rollout(self) -> None:
         """End the rollout service's own threads on its (living) worker."""
@@ -286,7 +304,8 @@ class Chaos:
 
 
 def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
-            endpoint: Endpoint, chaos: bool, scenario: str = "services") -> dict[str, Any]:
+            endpoint: Endpoint, chaos: bool, scenario: str = "services",
+            after_greedy: bool = False) -> dict[str, Any]:
     from distributed import Client
 
     from flows.train import train
@@ -311,7 +330,7 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
             Client(cluster.scheduler_address) as client:
         if chaos:
             injector = Chaos(run_id, client, store, rows, s3, watches["s3"], endpoint,
-                             watches["lambda"], scenario, cfg.iterations)
+                             watches["lambda"], scenario, cfg.iterations, after_greedy)
             thread = threading.Thread(target=injector.run, daemon=True)
             thread.start()
         try:
@@ -352,13 +371,14 @@ def one_run(run_id: str, ov: list[str], s3: Any, watches: dict[str, Watch],
 
 
 def run_pair(seed: int, iterations: int, commit: str, s3: Any, watches: dict[str, Watch],
-             endpoint: Endpoint, scenario: str = "services") -> dict[str, Any]:
+             endpoint: Endpoint, scenario: str = "services",
+             after_greedy: bool = False) -> dict[str, Any]:
     """A clean run and a chaos run of the same config and seed, and what the chaos cost."""
     ov = [*overrides(iterations, seed, watches["s3"].url, watches["lambda"].url),
           *SCENARIOS[scenario][1]]
     t0 = time.time()
     clean = one_run(f"clean-s{seed}", ov, s3, watches, endpoint, False, scenario)
-    chaos = one_run(f"chaos-s{seed}", ov, s3, watches, endpoint, True, scenario)
+    chaos = one_run(f"chaos-s{seed}", ov, s3, watches, endpoint, True, scenario, after_greedy)
     faults = [{"seed": seed, **f} for f in chaos.get("faults", [])]
     first = clean.get("first_success")  # the clean run's: where learning began
     for f in faults:
@@ -454,6 +474,10 @@ def main() -> None:
                     help="keep the pairs of other seeds already in --out (one pair per "
                          "invocation keeps each invocation short)")
     ap.add_argument("--out", default=str(ROOT / "results" / "chaos.json"))
+    ap.add_argument("--after-greedy", action="store_true",
+                    help="the last 5 faults wait for the chaos run's first successful greedy "
+                         "evaluation (then one every 2 iterations), or for the last iterations "
+                         "that leave room for them")
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="services",
                     help="services: the schedule above; trainer_rank: a sharded trainer "
                          "loses rank 1's worker")
@@ -493,7 +517,7 @@ def main() -> None:
     try:
         for seed in args.seeds:
             pairs.append(run_pair(seed, args.iterations, commit, s3, watches, endpoint,
-                                  args.scenario))
+                                  args.scenario, args.after_greedy))
     finally:
         endpoint.stop()
         s3.stop()

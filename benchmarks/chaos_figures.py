@@ -27,10 +27,14 @@ class Rows:
 
     def __init__(self) -> None:
         self.rows: list[tuple[float, int]] = []
+        self.first_greedy: int | None = None  # first iteration whose greedy eval was > 0
         self.done = threading.Event()
 
     def __call__(self, row: dict[str, Any]) -> None:
         self.rows.append((time.time(), int(row["iter"])))
+        if self.first_greedy is None and row.get("eval") not in (None, "") \
+                and float(row["eval"]) > 0:
+            self.first_greedy = int(row["iter"])
 
     def reached(self, before: float | None = None) -> int:
         return max((i for t, i in self.rows if before is None or t < before), default=-1)
