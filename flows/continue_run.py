@@ -41,7 +41,7 @@ def continue_training(
     found.apply_environment()
     cfg = load_config(config, found.overrides + list(overrides or []))
     store = RunStore.from_config(cfg.storage, run_id)
-    step = store.latest_checkpoint() if store.exists("config.yaml") else None
+    step = store.latest_authentic_checkpoint() if store.exists("config.yaml") else None
     blocks = {"storage_block": storage_block, "rewards_block": rewards_block,
               "cluster_block": cluster_block, "model_block": model_block}
     if step is None:

@@ -56,11 +56,12 @@ def evaluate(
     run = RunSpec(stored_run_config(location, run_id, cluster_overrides + list(overrides or [])),
                   run_id)
     cfg, store = run.cfg, run.store()
-    step = checkpoint if checkpoint is not None else store.latest_checkpoint()
+    step = checkpoint if checkpoint is not None else store.latest_authentic_checkpoint()
     if step is None or step not in store.list_checkpoints():
         raise ValueError(f"run {run_id!r} has no complete checkpoint "
                          f"{'at step ' + str(step) if step is not None else 'yet'} "
                          f"(have {store.list_checkpoints()})")
+    store.read_manifest(step)  # CheckpointRefused (one line) before any worker starts
     with contextlib.ExitStack() as stack:
         stack.enter_context(secrets.held_out_of_environment())  # no worker inherits a secret
         address = stack.enter_context(

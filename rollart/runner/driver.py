@@ -32,6 +32,7 @@ from rollart.runner.metric_sinks import make_sinks
 from rollart.runner.recovery import EngineSupervisor, rebuild_rollout
 from rollart.runner.spans import SPAN, busy_seconds, info_of
 from rollart.service_protocols import EngineAPI, ReplacesEngines, RolloutAPI, TrainerAPI
+from rollart.storage.run_files import sign_run_files
 
 # The hardware-class role (a key of `cluster.stages`) each stage runs on.
 STAGE_ROLE: dict[str, str] = {
@@ -192,6 +193,7 @@ class IterationDriver:
         iteration to run."""
         info = self.runner.info
         self.placed("prepare", info(self.runner.submit("prepare", self.run)))
+        sign_run_files(self.store)  # config + tokenizer, here where the owner's key is
         f = self.factory
         trainer, engines, hosts = f.trainer(), list(f.engines()), f.env_hosts()
         first = 0

@@ -11,6 +11,7 @@ and `load_checkpoint` refuse anything else in one line (`CheckpointRefused`), an
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -32,6 +33,7 @@ from rollart.storage.integrity import (
 # window in which an upload is in flight, e.g. to kill the process there).
 SLOW_CHECKPOINT_ENV = "ROLLART_FAULT_SLOW_CHECKPOINT"
 LINK_OUT = "is a link out of the checkpoint directory (not followed)"
+log = logging.getLogger("rollart.storage")
 
 
 def checkpoint_rel(step: int) -> str:
@@ -139,6 +141,18 @@ class CheckpointStore:
         for s in reversed(self.checkpoint_steps()):
             if self._complete(s) is not None:
                 return s
+        return None
+
+    def latest_authentic_checkpoint(self) -> int | None:
+        """The newest complete checkpoint whose manifest is authentic (what an evaluation or a
+        continued run starts from by default; its files are checked as they are loaded). A
+        newer one that is refused is skipped with one warning line naming why."""
+        for s in reversed(self.list_checkpoints()):
+            try:
+                self.read_manifest(s)
+                return s
+            except CheckpointRefused as err:
+                log.warning("%s; using an earlier checkpoint", err)
         return None
 
     def unverified_manifest(self, step: int) -> dict[str, Any] | None:

@@ -89,17 +89,24 @@ def canonical(manifest: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+def mac_of(manifest: dict[str, Any], key: bytes, domain: bytes = DOMAIN) -> str:
+    """The MAC of `manifest` under `domain` (a checkpoint manifest's by default; the run's
+    signed file list, rollart/storage/run_files.py, has a domain of its own, so neither can
+    pass for the other)."""
+    return hmac.new(key, domain + canonical(manifest), hashlib.sha256).hexdigest()
+
+
 def _mac(manifest: dict[str, Any], key: bytes) -> str:
-    return hmac.new(key, DOMAIN + canonical(manifest), hashlib.sha256).hexdigest()
+    return mac_of(manifest, key)
 
 
-def sign(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
+def sign(manifest: dict[str, Any], key: bytes, domain: bytes = DOMAIN) -> dict[str, Any]:
     """`manifest` as JSON will read it back (so writer and reader canonicalise the same
     values), with `key_id` and the MAC added."""
     out = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MAC_FIELD},
                                 default=str))
     out[KEY_ID_FIELD] = key_id(key)
-    out[MAC_FIELD] = _mac(out, key)
+    out[MAC_FIELD] = mac_of(out, key, domain)
     return out
 
 

@@ -43,6 +43,7 @@ from rollart.storage.adopt import adopt_unsigned
 from rollart.storage.integrity import CheckpointRefused, accept_unsigned
 from rollart.storage.ledger import SampleLedger
 from rollart.storage.lock import RunLock
+from rollart.storage.run_files import sign_run_files, verify_run_files
 from rollart.storage.store import RunStore, checkpoint_rel, shard_rel
 from rollart.storage.weights import delete_weights_after
 
@@ -75,6 +76,7 @@ def _stored(store: RunStore) -> dict[str, Any]:
     if not store.exists("config.yaml"):
         raise ResumeError(f"no run {store.run_id!r} under {store.url} (no config.yaml; check "
                           "storage.root and the run id)")
+    verify_run_files(store)  # RunFilesRefused (one line) when changed since the run wrote it
     return yaml.safe_load(store.read_text("config.yaml")) or {}
 
 
@@ -266,4 +268,5 @@ def start_run(cfg: RunConfig, overrides: list[str] | None, run_id: str, resume: 
                                              "attempt": attempt, "at": time.time(),
                                              "abandoned": rollback(store, 0, 0, 0, attempt)})
     store.write_text("config.yaml", dump_config(cfg))
+    sign_run_files(store)
     return cfg, point

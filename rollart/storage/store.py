@@ -3,6 +3,7 @@
 Layout under the root (DESIGN.md):
   runs/{run_id}/config.yaml
   runs/{run_id}/tokenizer/...
+  runs/{run_id}/run-files.json  (config.yaml and tokenizer/ signed: rollart/storage/run_files.py)
   runs/{run_id}/checkpoints/{step:08d}/{model.safetensors, optimizer.safetensors, rng.json,
                                         ledger.json, config.yaml, ..., manifest.json}
   runs/{run_id}/trajectories/{step:08d}/part-*.parquet

@@ -387,3 +387,13 @@ def test_the_key_file_is_private_and_the_cli_hands_it_over(monkeypatch, tmp_path
     os.chmod(state / "checkpoint-key", 0o644)
     with pytest.raises(secrets.CheckpointKeyError, match="mode 0600"):
         secrets.checkpoint_key()
+
+
+def test_evaluation_and_continue_start_from_the_newest_authentic_checkpoint(store):
+    """`rollart evaluate` / `continue-run` pick their default checkpoint by its manifest's MAC,
+    not by its files being full-size: a forged newest checkpoint is skipped with one line."""
+    _forge(store, {"model.safetensors": _zeroed_weights(store)}, "sha256")
+    assert store.latest_checkpoint() == 2  # complete: every listed file full-size
+    with warnings_of("rollart.storage") as records:
+        assert store.latest_authentic_checkpoint() == 1
+    _one_line_refusal(records, "manifest.json is not authentic")
