@@ -86,10 +86,13 @@ class EngineBatcher(CallOutcome):
         self.calls = 0
         self.stopping = False
         self.thread: threading.Thread | None = None
+        self._in_hand: list[tuple[GenerationRequest, Future, LiveEpisode]] = []  # in a call
 
     def generate(self, request: GenerationRequest, live: LiveEpisode) -> Completion:
         fut: Future[Completion] = Future()
         with self.cv:
+            if self.stopping:
+                raise EpisodeCancelled()  # nothing would ever serve it
             self.queue.append((request, fut, live))
             self.cv.notify()
         return fut.result()
@@ -100,7 +103,10 @@ class EngineBatcher(CallOutcome):
         return self.members is None or len(self.queue) >= min(self.members(), self.max_batch)
 
     def stop(self) -> None:
-        """Fail queued turns, let the call in progress finish, end the thread."""
+        """Fail queued turns, let the call in progress finish, end the thread. A thread that
+        died in a call (an uncaught error, SystemExit) left that call's turns unanswered: they
+        are failed too, so no episode thread waits on it for ever (a rebuilt service,
+        rollart/runner/recovery.py, stops the broken one first)."""
         with self.cv:
             self.stopping = True
             while self.queue:
@@ -108,6 +114,10 @@ class EngineBatcher(CallOutcome):
             self.cv.notify_all()
         if self.thread is not None and self.thread.is_alive():
             self.thread.join(timeout=30.0)
+        if self.thread is None or not self.thread.is_alive():
+            for _, fut, _ in self._in_hand:
+                if not fut.done():
+                    fut.set_exception(EpisodeCancelled())
 
     def fail_queued(self, err: BaseException) -> None:
         """The replica is lost: its queued turns go back to their episodes (re-routed there)."""
@@ -129,7 +139,7 @@ class EngineBatcher(CallOutcome):
                 if self.stopping:
                     return
                 queued = sorted(self.queue, key=lambda x: x[0].request_id)
-                items = queued[: self.max_batch]
+                items = self._in_hand = queued[: self.max_batch]
                 self.queue = deque(queued[self.max_batch:])
             for _, fut, live in items:
                 if live.cancelled:
@@ -142,5 +152,7 @@ class EngineBatcher(CallOutcome):
                 out = call(self.engine, "generate", [r for r, _, _ in items])
             except Exception as err:  # noqa: BLE001 - the episodes decide (CallOutcome)
                 self._failed(items, err, t0)
+                self._in_hand = []
                 continue
             self._served(items, out, t0)
+            self._in_hand = []

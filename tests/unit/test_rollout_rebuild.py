@@ -11,6 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from rollart.config import load_config
 from rollart.rollout.service_failures import RolloutBroken
 from rollart.run import RunSpec
@@ -143,3 +145,55 @@ def test_asyncio_runner_dead_loop_thread_is_broken():
             self._watchdog = None
 
     assert S().broken() == "its thread(s) rollout-loop ended"
+
+
+class _CrashingEngine:
+    """An engine call during which the batcher's thread ends (an uncaught BaseException, as the
+    chaos benchmark's SystemExit), once `go` is set."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def generate(self, requests: list[Any]) -> list[Any]:
+        self.go.wait(5.0)
+        raise SystemExit
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_batcher_thread_that_dies_mid_call_leaves_no_episode_waiting():
+    from rollart.rollout.batcher import EngineBatcher, EpisodeCancelled, LiveEpisode
+    from rollart.rollout.scheduler import Start
+    from rollart.types import GenerationRequest
+
+    engine = _CrashingEngine()
+    b = EngineBatcher(engine, max_batch=1, wait_s=0.0)
+    b.thread = threading.Thread(target=b.loop, name="rollout-batcher", daemon=True)
+    b.thread.start()
+
+    outcomes: dict[int, BaseException | None] = {}
+
+    def turn(i: int) -> None:
+        live = LiveEpisode(Start(f"e{i}", "g", "t", i, 0), engine=0, host=0)
+        try:
+            b.generate(GenerationRequest(f"r{i}", [1, 2]), live)
+            outcomes[i] = None
+        except BaseException as err:  # noqa: BLE001 - the outcome is the test's subject
+            outcomes[i] = err
+
+    waiting = [threading.Thread(target=turn, args=(i,), daemon=True) for i in range(3)]
+    for t in waiting:
+        t.start()
+    while len(b.queue) + len(getattr(b, "_in_hand", [])) < 2:  # one in the call, two queued
+        threading.Event().wait(0.01)
+    engine.go.set()
+    b.thread.join(timeout=5.0)
+    assert not b.thread.is_alive() and not outcomes
+    # Until the broken service is stopped (its rebuild does that first) its episodes wait:
+    # were they failed now, they would count as failed episodes, not interrupted ones.
+    b.stop()
+    for t in waiting:
+        t.join(timeout=5.0)
+    assert len(outcomes) == 3 and all(isinstance(o, EpisodeCancelled)
+                                      for o in outcomes.values()), outcomes
+    turn(9)
+    assert isinstance(outcomes[9], EpisodeCancelled)  # a later turn is refused at once
