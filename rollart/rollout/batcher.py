@@ -149,7 +149,7 @@ class EngineBatcher(CallOutcome):
                 continue
             t0 = time.perf_counter()
             try:
-                out = call(self.engine, "generate", [r for r, _, _ in items])
+                out = call(self.engine).generate([r for r, _, _ in items])
             except Exception as err:  # noqa: BLE001 - the episodes decide (CallOutcome)
                 self._failed(items, err, t0)
                 self._in_hand = []

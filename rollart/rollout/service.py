@@ -55,7 +55,7 @@ def _param_count(engine: Any) -> float:
     """Parameters of the served model: a bare engine's model, or EngineService.param_count."""
     if hasattr(engine, "model"):
         return float(sum(p.numel() for p in engine.model.parameters()))
-    return float(call(engine, "param_count"))
+    return float(call(engine).param_count())
 
 
 @dataclass

@@ -30,13 +30,16 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollart.config import RunConfig
 from rollart.handles import call
 from rollart.metrics import rollout_metrics
 from rollart.rollout.scheduler import split_by_share
 from rollart.types import Trajectory
+
+if TYPE_CHECKING:
+    from rollart.service_protocols import RolloutAPI
 
 GroupNamer = Callable[[str, int], tuple[str, int]]
 Batch = tuple[list[Trajectory], dict[str, Any]]
@@ -102,7 +105,7 @@ class ShardedRollout:
     """The trainer's side of `shards` (RolloutService objects or actors with the same methods:
     try_take, set_version, start, stop, stats), with RolloutService's own take semantics."""
 
-    def __init__(self, shards: list[Any]) -> None:
+    def __init__(self, shards: list[RolloutAPI]) -> None:
         self.shards = shards
         self._parts: dict[int, dict[int, Batch]] = {}
         self._taken: tuple[int, Batch] | None = None
@@ -115,7 +118,7 @@ class ShardedRollout:
 
     def start(self) -> None:
         for s in self.shards:
-            call(s, "start")
+            call(s).start()
 
     def try_take(self, update: int) -> Batch | None:
         """Every shard's part of update `update`, joined in shard order, or None while one is
@@ -125,7 +128,7 @@ class ShardedRollout:
             return self._taken[1]
         parts = self._parts.setdefault(update, {})
         for i, s in enumerate(self.shards):
-            if i not in parts and (out := call(s, "try_take", update)) is not None:
+            if i not in parts and (out := call(s).try_take(update)) is not None:
                 parts[i] = out
         if len(parts) < len(self.shards):
             return None
@@ -150,20 +153,20 @@ class ShardedRollout:
 
     def set_version(self, version: int) -> None:
         for s in self.shards:
-            call(s, "set_version", version)
+            call(s).set_version(version)
 
     def lost_engines(self) -> list[int]:
         """Replicas any shard has lost (each shard hears of a loss from its own calls)."""
-        return sorted({i for s in self.shards for i in call(s, "lost_engines")})
+        return sorted({i for s in self.shards for i in call(s).lost_engines()})
 
     def replace_engine(self, index: int, engine: Any) -> None:
         for s in self.shards:
-            call(s, "replace_engine", index, engine)
+            call(s).replace_engine(index, engine)
 
     def snapshot(self) -> tuple[bytes | None, list[Trajectory]]:
         """Every shard's unconsumed groups (rollart/rollout/snapshot.py), in one state; (None,
         []) when no shard holds any (a synchronous run)."""
-        parts = [call(s, "snapshot") for s in self.shards]
+        parts = [call(s).snapshot() for s in self.shards]
         if all(state is None for state, _ in parts):
             return None, []
         doc = {"format": SHARDED_FORMAT,
@@ -180,12 +183,12 @@ class ShardedRollout:
         for s, part in zip(self.shards, doc["shards"], strict=True):
             if part is not None:
                 mine = [by_id[e] for g in part["groups"] for e in g["finished"] if e in by_id]
-                out.update(call(s, "restore_state", json.dumps(part, sort_keys=True).encode(),
-                                mine))
+                out.update(call(s).restore_state(json.dumps(part, sort_keys=True).encode(),
+                                                  mine))
         return dict(out)
 
     def stats(self) -> dict[str, Any]:
-        per = [call(s, "stats") for s in self.shards]
+        per = [call(s).stats() for s in self.shards]
         counters: Counter[str] = Counter()
         for p in per:
             counters.update(p["counters"])
@@ -199,7 +202,7 @@ class ShardedRollout:
         out, errors = [], []
         for s in self.shards:
             try:
-                out.append(call(s, "stop"))
+                out.append(call(s).stop())
             except Exception as err:  # noqa: BLE001 - raised below, after the others stopped
                 errors.append(err)
         if errors:

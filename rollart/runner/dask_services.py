@@ -217,7 +217,7 @@ class DaskServices:
         shards: list[RolloutServiceActor] = [f.result() for f in futures]
         for s in shards:
             self.placed("rollout_shard", call(s).where())
-        return ShardedRollout(shards)
+        return ShardedRollout(cast(list[RolloutAPI], shards))  # actor handles, as above
 
     def host_stats(self, hosts: list[Any]) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = []
