@@ -28,6 +28,9 @@ Contract details, matched to HFEngine (see hf.py):
   are rebuilt by a background thread while the layers compute with `F.linear` (`Repacker`),
   so the engine pauses only for the copy (results/vs_trl.json: sync_s). It costs one more
   copy of the weights in RAM.
+- Context length: `max_model_len`, or by default the model's own limit; on CPU, where the KV
+  cache is `kv_cache_mb`, the default is capped to what that cache holds (vLLM's auto-fit), so a
+  long-context model starts instead of being refused. `self.max_model_len` is the one in use.
 - Prefix caching is on by default (a multi-turn episode re-sends its growing conversation).
 - sleep / wake: vLLM's sleep mode (level 1: weights to host memory, KV cache dropped) where the
   platform has it (CUDA, ROCm, XPU) and `engine.vllm.sleep_mode` is on; on CPU a tracked no-op.
@@ -110,6 +113,11 @@ class VLLMEngine:
         )
         if self.on_cpu:  # the CPU backend otherwise sizes the KV cache from all host memory
             kwargs["kv_cache_memory_bytes"] = kv_cache_mb << 20
+            if max_model_len is None:
+                # The model's own limit may need more KV than `kv_cache_mb` (SmolLM2-135M:
+                # 8,192 tokens need 0.35 GiB), which vLLM refuses at start; -1 is vLLM's
+                # auto-fit: the model's limit if it fits, else the longest that does.
+                kwargs["max_model_len"] = -1
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(extra_args or {})

@@ -173,3 +173,23 @@ def test_backend_from_config_runs_an_iteration(tmp_path, engine):
     finally:
         for e in engines:
             e.close()
+
+
+def test_cpu_default_context_is_fitted_to_the_kv_cache(tok, engine):
+    """On CPU the KV cache is `kv_cache_mb`; a model whose own context needs more (SmolLM2-135M:
+    8,192 tokens, 0.35 GiB against the default 256 MiB) still starts, its context cut to what
+    the cache holds, instead of vLLM refusing it. Runs last: one vLLM engine per process."""
+    engine.close()  # the module's engine (idempotent: the run-path test may have closed it)
+    from rollart.engines.vllm_engine import VLLMEngine
+
+    # 2 layers x 2 kv heads x head_dim 32 x (K, V) x 4 bytes = 1 KiB per token: 4,096 tokens
+    # need 4 MiB, 1 MiB holds about 1,024.
+    model = build_tiny_model(TinyModelConfig(max_position=4096), tok, 0)
+    eng = VLLMEngine.from_model(model, tok, seed=0, kv_cache_mb=1)
+    try:
+        assert 0 < eng.max_model_len < 4096
+        short, too_long = prompts(tok, 1)[0], [9] * eng.max_model_len
+        out = eng.generate(reqs([short, too_long], max_new_tokens=3, temperature=0.0))
+        assert len(out[0].token_ids) == 3 and out[1].finish_reason == "length"
+    finally:
+        eng.close()
