@@ -6,8 +6,9 @@ the master, volume and filer HTTP/gRPC ports answer anyone who can connect, so t
 in a network namespace of its own (`unshare --net`; as a non-root user inside a user namespace
 too), where nothing but its own loopback exists. `infra/s3_gateway.py` forwards the one public
 port, the S3 endpoint, into it; no other port of the server exists in the host's network.
-Inside, every port is set explicitly (its gRPC twin at +10000); WebDAV, Iceberg and Lance
-endpoints and telemetry are off.
+Inside, every port is set explicitly (its gRPC twin at +10000) and differs from every other
+server's on this machine (`inner_ports`: weed's unix sockets in /tmp are shared); WebDAV,
+Iceberg and Lance endpoints and telemetry are off.
 
     with start_seaweed(tmp_dir) as s3:            # -> SeaweedHandle
         s3.endpoint_url, s3.access_key, s3.secret_key, s3.bucket
@@ -38,8 +39,25 @@ from infra.state import PRIVATE_UMASK, append_private, private_dir, write_privat
 DEFAULT_STATE_DIR = Path(os.environ.get("ROLLART_STATE_DIR", ".rollart"))
 COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 GRPC_OFFSET = 10000
-# Ports inside the server's own network namespace: nothing else lives there, so fixed ones do.
-INNER_PORTS = {"master": 9333, "volume": 9340, "filer": 8888, "s3": 8333, "admin": 23646}
+SOCKET_DIR = Path("/tmp")  # weed's own choice, not configurable
+
+
+def inner_ports(rng: random.Random | None = None) -> dict[str, int]:
+    """Ports inside the server's own network namespace. Nothing else listens there, but weed
+    also puts a unix socket per port at a fixed path, `/tmp/seaweedfs-<component>[-grpc]-
+    <port>.sock`, which every namespace shares: two servers with the same inner ports (two
+    stacks, a test beside `rollart up`) would take each other's sockets over and fail with S3
+    InternalError. So each server gets its own ports, none with a socket already in /tmp."""
+    rng = rng or random.Random()
+    for _ in range(1000):
+        base = rng.randrange(20000, 45000)  # its gRPC twins stay below 55005
+        ports = {c: base + i for i, c in enumerate(COMPONENTS)}
+        taken = [p for port in ports.values() for p in (port, port + GRPC_OFFSET)
+                 if any(SOCKET_DIR.glob(f"seaweedfs-*-{p}.sock"))]
+        if not taken:
+            return ports
+    raise RuntimeError(f"no free set of SeaweedFS ports: {SOCKET_DIR} holds too many "
+                       "seaweedfs-*.sock files (stale ones may be removed)")
 
 
 class IsolationUnavailable(RuntimeError):
@@ -108,7 +126,7 @@ class SeaweedHandle:
     pid: int | None
     data_dir: str
     log_path: str
-    ports: dict[str, int] = field(default_factory=dict)  # inside its namespace (INNER_PORTS)
+    ports: dict[str, int] = field(default_factory=dict)  # inside its namespace (inner_ports)
     host: str = "127.0.0.1"  # address the S3 endpoint binds and advertises
     # Prefix of the command line, e.g. ["ip", "netns", "exec", NS] for a test host (infra/netns)
     launcher: list[str] = field(default_factory=list)
@@ -141,7 +159,7 @@ class SeaweedHandle:
         if self.alive():
             return self
         self.stop(kill=True)  # half of a pair (a crashed server or forwarder) goes too
-        ports = self.ports or dict(INNER_PORTS)
+        ports = self.ports or inner_ports()
         self.ports = ports
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
@@ -339,7 +357,7 @@ def start_seaweed(state_dir: str | Path, bucket: str = "rollart",
         access_key=access_key or "rollart" + secrets.token_hex(6),
         secret_key=secret_key or secrets.token_urlsafe(24),
         bucket=bucket, region=region, pid=None, data_dir=str(state / "data"),
-        log_path=str(state / "weed.log"), ports=dict(INNER_PORTS), host=host,
+        log_path=str(state / "weed.log"), ports=inner_ports(), host=host,
         launcher=list(launcher or []),
     )
     return handle.start(timeout=timeout)
@@ -368,10 +386,9 @@ def ensure_running(state_dir: str | Path = DEFAULT_STATE_DIR,
     old = _state_file(Path(state_dir))
     creds = json.loads(old.read_text()) if old.exists() else {}
     if creds and _bindable(SeaweedHandle(**creds).port):
-        # Same endpoint and keys as last time; a record from before the private namespace
-        # carries host-network ports: the fixed inner ones replace them.
+        # Same endpoint and keys as last time; inner ports of its own (`inner_ports`).
         h = SeaweedHandle(**{**creds, "pid": None, "gateway_pid": None,
-                             "ports": dict(INNER_PORTS)}).start()
+                             "ports": inner_ports()}).start()
     else:
         h = start_seaweed(root, bucket=creds.get("bucket", bucket),
                           access_key=creds.get("access_key"), secret_key=creds.get("secret_key"))

@@ -23,7 +23,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from infra.seaweed import INNER_PORTS, _is_weed, start_seaweed, weed_binary
+from infra.seaweed import GRPC_OFFSET, SOCKET_DIR, _is_weed, start_seaweed, weed_binary
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
@@ -104,7 +104,7 @@ def test_other_users_reach_nothing_but_the_signed_endpoint(tmp_path):
         inner = _listening_ports(s3.pid)
         # The server's full set of ports (HTTP and gRPC of every component) exists, but in its
         # own network: the host's socket table has none of them from this process.
-        assert {INNER_PORTS["filer"], INNER_PORTS["master"], INNER_PORTS["volume"]} <= inner
+        assert {s3.ports["filer"], s3.ports["master"], s3.ports["volume"]} <= inner
         found = _probe(inner | {s3.port}, s3.bucket, "ckpt/model.bin")
         assert not any(r["read"] for r in found.values()), found
         # No port took a request (in the host's network the inner ports are closed, or held by
@@ -113,13 +113,18 @@ def test_other_users_reach_nothing_but_the_signed_endpoint(tmp_path):
             assert not any(s is not None and 200 <= s < 300 for s in r["statuses"]), (port, r)
             if int(port) == s3.port:
                 assert r["connected"] and all(s in (403, 401) for s in r["statuses"]), r
-            elif int(port) == INNER_PORTS["filer"]:
+            elif int(port) == s3.ports["filer"]:
                 assert not r["connected"], r
         # Nothing was changed or deleted by any attempt.
         assert s3c.get_object(Bucket=s3.bucket, Key="ckpt/model.bin")["Body"].read() == CANARY
         # Nor can that user step into the server's network.
         joined = _as_nobody(["nsenter", f"--net=/proc/{s3.pid}/ns/net", "true"])
         assert joined.returncode != 0
+        # weed's unix sockets (one per port, in /tmp, outside any network namespace) are the
+        # owner's alone: connecting needs write permission, which nobody else has.
+        socks = [p for port in s3.ports.values() for q in (port, port + GRPC_OFFSET)
+                 for p in SOCKET_DIR.glob(f"seaweedfs-*-{q}.sock")]
+        assert socks and all(p.stat().st_mode & 0o022 == 0 for p in socks), socks
 
 
 def test_control_a_server_in_the_host_network_is_open_to_the_probe(tmp_path):
