@@ -40,8 +40,8 @@ replica back in rotation, an iteration past the one the run had reached done), e
 Learning figures and gaps: benchmarks/chaos_figures.py. Writes results/chaos.json and prints
 one summary line.
 
-    python benchmarks/chaos.py --iterations 40 --seeds 0 1 2   (~10 min per pair, 2 cores)
-    python benchmarks/chaos.py --iterations 60 --seeds 0 1 2 --after-greedy
+    python benchmarks/chaos.py --iterations 60 --seeds 0 1 2 --after-greedy  (~18 min a pair)
+    python benchmarks/chaos.py --iterations 40 --seeds 0 1 2 --out results/chaos_40it.json
     python benchmarks/chaos.py --seeds 1 --merge    (one pair; keeps the other seeds' pairs)
     python benchmarks/chaos.py --scenario trainer_rank --iterations 8 --seeds 0 \
         --out results/chaos_trainer_rank.json

@@ -387,8 +387,11 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Checkpoints on S3", "python benchmarks/checkpoint_s3.py", "checkpoint_s3.json", _ckpt),
     ("Security overhead", "python benchmarks/security_overhead.py --repeats 2",
      "security_overhead_rerun.json", _security),
-    ("Chaos (faults spread over the run, 3 seeds)", "python benchmarks/chaos.py --iterations "
-     "40 --seeds 0 1 2", "chaos.json", _chaos_spread),
+    ("Chaos while learning (3 seeds, 60 iterations)", "python benchmarks/chaos.py --iterations "
+     "60 --seeds 0 1 2 --after-greedy", "chaos.json", _chaos_spread),
+    ("Chaos (faults spread over 40 iterations, 3 seeds)", "python benchmarks/chaos.py "
+     "--iterations 40 --seeds 0 1 2 --out results/chaos_40it.json", "chaos_40it.json",
+     _chaos_spread),
     ("Chaos (faults of every kind, 60 iterations)", "python benchmarks/chaos.py --iterations 60 "
      "--seeds 0 --out results/chaos_guard.json", "chaos_guard.json", _chaos),
     ("Chaos: a trainer rank lost", "python benchmarks/chaos.py --scenario trainer_rank "
