@@ -96,8 +96,16 @@ def mac_of(manifest: dict[str, Any], key: bytes, domain: bytes = DOMAIN) -> str:
     return hmac.new(key, domain + canonical(manifest), hashlib.sha256).hexdigest()
 
 
-def _mac(manifest: dict[str, Any], key: bytes) -> str:
-    return mac_of(manifest, key)
+def signature_problem(doc: dict[str, Any], key: bytes, domain: bytes = DOMAIN) -> str | None:
+    """Why `doc` (written by `sign` under `domain`) is not authentic under `key`; None when it
+    is. Checked the same way for a checkpoint manifest and for the run's signed file list."""
+    if doc.get(KEY_ID_FIELD) != key_id(key):
+        return ("was signed with another checkpoint key (key id "
+                f"{str(doc.get(KEY_ID_FIELD))[:16]!r}, this process holds {key_id(key)!r})")
+    mac = doc.get(MAC_FIELD)
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, mac_of(doc, key, domain)):
+        return "is not authentic (HMAC-SHA256 mismatch: changed after the run wrote it)"
+    return None
 
 
 def sign(manifest: dict[str, Any], key: bytes, domain: bytes = DOMAIN) -> dict[str, Any]:
@@ -155,14 +163,9 @@ def verify_manifest(manifest: dict[str, Any], step: int, run_id: str) -> None:
             f"checkpoints, or its MAC was removed); accept it with {ACCEPT_UNSIGNED_VAR}=1 "
             "on the resume, or `python -m rollart.storage.adopt ROOT RUN_ID`, only if "
             "you trust the store", unsigned=True)
-    key = owner_key(step, run_id)
-    if manifest.get(KEY_ID_FIELD) != key_id(key):
-        raise CheckpointRefused(step, run_id, MANIFEST, "was signed with another checkpoint "
-                                f"key (key id {str(manifest.get(KEY_ID_FIELD))[:16]!r}, this "
-                                f"process holds {key_id(key)!r})")
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(manifest, key)):
-        raise CheckpointRefused(step, run_id, MANIFEST, "is not authentic (HMAC-SHA256 "
-                                "mismatch: changed after the run wrote it)")
+    why = signature_problem(manifest, owner_key(step, run_id))
+    if why:
+        raise CheckpointRefused(step, run_id, MANIFEST, why)
     if manifest.get("step") != step or manifest.get("run_id") != run_id:
         raise CheckpointRefused(step, run_id, MANIFEST, "is authentic but belongs to "
                                 f"run {manifest.get('run_id')!r} step {manifest.get('step')} "

@@ -30,15 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from rollart.storage.integrity import (
     ACCEPT_UNSIGNED_VAR,
-    KEY_ID_FIELD,
-    MAC_FIELD,
     CheckpointRefused,
     accept_unsigned,
     digests,
-    key_id,
-    mac_of,
     owner_key,
     sign,
+    signature_problem,
     signing_key,
 )
 from rollart.storage.s3 import StorageError
@@ -103,13 +100,9 @@ def _signed_list(store: RunStore) -> dict[str, Any]:
         key = owner_key(-1, run_id)
     except CheckpointRefused as err:
         raise RunFilesRefused(run_id, RUN_FILES, err.reason) from None
-    if listed.get(KEY_ID_FIELD) != key_id(key):
-        raise RunFilesRefused(run_id, RUN_FILES, "was signed with another checkpoint key")
-    mac = listed.get(MAC_FIELD)
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, mac_of(listed, key,
-                                                                       RUN_DOMAIN)):
-        raise RunFilesRefused(run_id, RUN_FILES, "is not authentic (HMAC-SHA256 mismatch: "
-                              "changed after the run wrote it)")
+    why = signature_problem(listed, key, RUN_DOMAIN)
+    if why:
+        raise RunFilesRefused(run_id, RUN_FILES, why)
     if listed.get("run_id") != run_id:
         raise RunFilesRefused(run_id, RUN_FILES, f"is authentic but belongs to run "
                               f"{listed.get('run_id')!r} (copied here)")

@@ -31,45 +31,39 @@ import safetensors.torch
 import torch
 
 from rollart import secrets
-from rollart.config import load_config
 from rollart.runner.local_loop import run_local
 from rollart.storage.adopt import adopt_unsigned
 from rollart.storage.integrity import MAC_FIELD, CheckpointRefused, safe_name
 from rollart.storage.resume import ResumeError, find_resume_point
 from rollart.storage.store import RunStore
+from tests.security.owner_run import (
+    ATTACKER_KEY,
+    OWNER_KEY,
+    RUN,
+    become_owner,
+    copy_of_store,
+    owners_config,
+    owners_run,
+)
 
-CONFIG = str(Path(__file__).parents[2] / "configs" / "default.yaml")
-BASE = ["rollout.num_groups=2", "rollout.group_size=2", "tasks.0.max_turns=2",
-        "eval.episodes=0", "reward.backend=local", "storage.save_every=1", "storage.keep_last=5"]
-OWNER_KEY = "0f" * 32
-ATTACKER_KEY = "a5" * 32
-RUN = "victim"
 CKPT2 = "checkpoints/00000002"
 
 
 @pytest.fixture(autouse=True)
 def owner(monkeypatch, tmp_path):
-    """This process is the run's owner: it holds the key; no state directory key is used."""
-    monkeypatch.setenv(secrets.CHECKPOINT_KEY_VAR, OWNER_KEY)
-    monkeypatch.setenv("ROLLART_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("ROLLART_ACCEPT_UNSIGNED_CHECKPOINTS", raising=False)
+    become_owner(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory):
     """The owner's run: checkpoints 1 and 2 (and the run's in-process engine)."""
     root = tmp_path_factory.mktemp("victim")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(secrets.CHECKPOINT_KEY_VAR, OWNER_KEY)
-        out = run_local(load_config(CONFIG, [*BASE, f"storage.root={root}", "iterations=2"]), RUN)
-    return root, out["engines"][0]
+    return root, owners_run(root, 2)["engines"][0]
 
 
 @pytest.fixture
 def store(victim, tmp_path) -> RunStore:
-    """A fresh copy of the victim's store, for one test to attack."""
-    shutil.copytree(victim[0], tmp_path / "store")
-    return RunStore(str(tmp_path / "store"), RUN)
+    return copy_of_store(victim[0], tmp_path)
 
 
 @contextlib.contextmanager
@@ -187,7 +181,7 @@ def test_the_real_resume_loads_the_previous_checkpoint_not_the_forgery(store, vi
         engine.load_checkpoint(2)
     assert "\n" not in str(info.value)
     assert engine.load_checkpoint(1)["step"] == 1
-    cfg = load_config(CONFIG, [*BASE, f"storage.root={store.root}", "iterations=3"])
+    cfg = owners_config(store.root, 3)
     with warnings_of("rollart.storage") as records:
         out = run_local(cfg, RUN, resume=True)
     assert out["resumed_from"] == 1

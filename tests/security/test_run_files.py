@@ -9,18 +9,14 @@ attacks a copy of its store.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import zlib
 from pathlib import Path
 
 import pytest
 
-from rollart import secrets
-from rollart.config import StorageConfig, load_config
+from rollart.config import StorageConfig
 from rollart.runner.local_loop import run_local
-from rollart.storage.integrity import sign
+from rollart.storage.integrity import digests, sign
 from rollart.storage.resume import stored_run_config
 from rollart.storage.run_files import (
     RUN_DOMAIN,
@@ -30,35 +26,31 @@ from rollart.storage.run_files import (
     verify_run_files,
 )
 from rollart.storage.store import RunStore
-
-CONFIG = str(Path(__file__).parents[2] / "configs" / "default.yaml")
-BASE = ["rollout.num_groups=2", "rollout.group_size=2", "tasks.0.max_turns=2",
-        "eval.episodes=0", "reward.backend=local", "storage.save_every=1", "storage.keep_last=5"]
-OWNER_KEY = "0f" * 32
-ATTACKER_KEY = "a5" * 32
-RUN = "victim"
+from tests.security.owner_run import (
+    ATTACKER_KEY,
+    RUN,
+    become_owner,
+    copy_of_store,
+    owners_config,
+    owners_run,
+)
 
 
 @pytest.fixture(autouse=True)
 def owner(monkeypatch, tmp_path):
-    monkeypatch.setenv(secrets.CHECKPOINT_KEY_VAR, OWNER_KEY)
-    monkeypatch.setenv("ROLLART_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("ROLLART_ACCEPT_UNSIGNED_CHECKPOINTS", raising=False)
+    become_owner(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory):
     root = tmp_path_factory.mktemp("victim")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(secrets.CHECKPOINT_KEY_VAR, OWNER_KEY)
-        run_local(load_config(CONFIG, [*BASE, f"storage.root={root}", "iterations=1"]), RUN)
+    owners_run(root, 1)
     return root
 
 
 @pytest.fixture
 def store(victim, tmp_path) -> RunStore:
-    shutil.copytree(victim, tmp_path / "store")
-    return RunStore(str(tmp_path / "store"), RUN)
+    return copy_of_store(victim, tmp_path)
 
 
 def _recomputed(store: RunStore, key: str | None) -> None:
@@ -66,9 +58,7 @@ def _recomputed(store: RunStore, key: str | None) -> None:
     now are; the owner's (now stale) MAC kept, or signed with the attacker's own key."""
     listed = json.loads(store.read_text(RUN_FILES))
     for name in covered_names(store):
-        data = store.read_bytes(name)
-        listed["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data) & 0xFFFFFFFF,
-                                 "sha256": hashlib.sha256(data).hexdigest()}
+        listed["files"][name] = digests(store.read_bytes(name))
     if key:
         listed = sign(listed, bytes.fromhex(key), RUN_DOMAIN)
     store.write_text(RUN_FILES, json.dumps(listed))
@@ -118,7 +108,7 @@ def test_the_owners_run_files_are_signed_and_pass(store):
 def test_a_tampered_run_is_refused_in_one_line_before_the_resume_starts(store, attack):
     _tamper(store, attack)
     before = sorted(p.name for p in Path(store.root).rglob("*"))
-    cfg = load_config(CONFIG, [*BASE, f"storage.root={store.root}", "iterations=2"])
+    cfg = owners_config(store.root, 2)
     with pytest.raises(RunFilesRefused) as info:
         run_local(cfg, RUN, resume=True)
     msg = str(info.value)
@@ -140,8 +130,7 @@ def test_an_unsigned_run_is_accepted_only_when_the_owner_says_so(store, monkeypa
 
 
 def test_a_resume_with_new_settings_re_signs_the_config(store):
-    cfg = load_config(CONFIG, [*BASE, f"storage.root={store.root}", "iterations=2",
-                               "train.lr=0.002"])
+    cfg = owners_config(store.root, 2, "train.lr=0.002")
     assert run_local(cfg, RUN, resume=True)["resumed_from"] == 1
     assert "lr: 0.002" in store.read_text("config.yaml")
     verify_run_files(store)

@@ -7,6 +7,7 @@ from the checkpoint."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,10 @@ def test_a_batcher_thread_that_dies_mid_call_leaves_no_episode_waiting():
     waiting = [threading.Thread(target=turn, args=(i,), daemon=True) for i in range(3)]
     for t in waiting:
         t.start()
+    deadline = time.monotonic() + 10.0
     while len(b.queue) + len(getattr(b, "_in_hand", [])) < 2:  # one in the call, two queued
-        threading.Event().wait(0.01)
+        assert time.monotonic() < deadline, "the turns never reached the batcher"
+        time.sleep(0.01)
     engine.go.set()
     b.thread.join(timeout=5.0)
     assert not b.thread.is_alive() and not outcomes
