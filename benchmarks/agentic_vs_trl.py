@@ -87,28 +87,33 @@ NOTES = [
 
 
 def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: int,
-                      engine: str) -> list[str]:
-    """Every matched setting pinned, whatever the config file says (another engineer owns it)."""
+                      engine: str, kv_cache_mb: int = 1024, staleness: int = 0,
+                      engine_dtype: str = "float32") -> list[str]:
+    """Every matched setting pinned, whatever the config file says (another engineer owns it).
+    `staleness` > 0 or a bf16 engine departs from TRL's on-policy fp32 sampling: rollart then
+    corrects the sampling/training mismatch with truncated importance sampling (`tis`)."""
+    exact = staleness == 0 and engine_dtype == "float32"
     task = guess_task(m).model_dump()
     algo = {"advantage": "grpo", "normalize_std": True, "std_eps": m.std_eps,
             "loss": "ppo_clip", "clip_low": m.clip, "clip_high": m.clip, "dual_clip": None,
             "loss_agg": "seq_mean_token_mean", "kl_coef": 0.0, "entropy_coef": 0.0,
             # TRL has no behaviour correction without vLLM; rollart's "tis" weights would be
             # 1 within ~1e-6 here (synced weights), "none" makes the objectives identical.
-            "off_policy": "none"}
+            "off_policy": "none" if exact else "tis"}
     return [f"seed={seed}", f"iterations={m.steps}", "model.source=hf_dir",
             f"model.path={model_dir}", "model.dtype=float32", f"engine.backend={engine}",
             f"engine.max_new_tokens={m.max_new_tokens}", f"engine.temperature={m.temperature}",
             f"engine.top_p={m.top_p}", f"engine.stop={json.dumps(list(m.stop))}",
             f"engine.max_batch_size={m.max_batch_size}", f"engine.threads={threads}",
             f"tasks={json.dumps([task])}", f"rollout.num_groups={m.groups}",
-            f"rollout.group_size={m.group_size}", "rollout.max_staleness=0",
+            f"rollout.group_size={m.group_size}", f"rollout.max_staleness={staleness}",
             "rollout.redundancy=0", f"algo={json.dumps(algo)}", f"train.lr={m.lr}",
             "train.epochs=1", f"train.micro_batch_size={m.groups * m.group_size}",
             f"train.grad_clip={m.grad_clip}", "train.weight_decay=0.0", "train.max_kl=0.0",
             f"train.threads={threads}", "train.world_size=1", "reward.backend=local",
             "reward.function=env_outcome", "eval.episodes=0", "eval.before_training=false",
-            f"storage.root={root}", f"storage.save_every={m.steps}", "storage.keep_last=1"]
+            f"storage.root={root}", f"storage.save_every={m.steps}", "storage.keep_last=1",
+            f"engine.vllm.kv_cache_mb={kv_cache_mb}", f"engine.vllm.dtype={engine_dtype}"]
 
 
 def train_seeds(overrides: list[str], steps: int) -> list[list[int]]:
@@ -289,6 +294,11 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1", help="run seeds, one run per framework each")
     ap.add_argument("--frameworks", default="trl,rollart")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollart's engine")
+    ap.add_argument("--kv-cache-mb", type=int, default=1024,
+                    help="vLLM's KV cache (16 episodes of 6 turns need ~1 GiB)")
+    ap.add_argument("--staleness", type=int, default=0, help="rollart's rollout.max_staleness")
+    ap.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="rollart's vLLM weights (the trainer stays float32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results/agentic_vs_trl.json"))
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -324,7 +334,8 @@ def main() -> None:
     try:
         for i, seed in enumerate(seeds):
             overrides = rollart_overrides(m, seed, model_dir, work / "artifacts", a.threads,
-                                          a.engine)
+                                          a.engine, a.kv_cache_mb, a.staleness,
+                                          a.engine_dtype)
             planned = train_seeds(overrides, m.steps)
             data = work / f"data-{seed}.json"
             data.write_text(json.dumps({"match": m.to_json(), "train_seeds": planned}))
