@@ -14,7 +14,8 @@ batch) and with observation tokens out of both losses.
 TRL runs in its own venv (`make peer`), through its experimental `rollout_func` (why that one,
 with the source lines: `benchmarks/peer_trl_agentic.py`, and `mechanism` in the results file).
 rollart runs as a user runs it: `rollart train --config configs/smollm2-guess.yaml --set ...`
-(Prefect flow, embedded Dask cluster, HF engine on the H20 worker, trainer on H800).
+(Prefect flow, embedded Dask cluster, the vLLM engine (`--engine`; prefix caching keeps each
+conversation's KV cache between turns) on the H20 worker, trainer on H800).
 
 One evaluator for every model: greedy play with rollart's episode loop and an HF engine in this
 process, on held-out seeds (one per secret, all >= 1,000,000; no training seed reaches them),
@@ -25,6 +26,8 @@ env steps = turns played; rates are over each run's whole wall time, start-up in
     make peer && .venv/bin/python benchmarks/agentic_vs_trl.py     # -> results/agentic_vs_trl.json
     .venv/bin/python benchmarks/agentic_vs_trl.py --steps 2 --groups 1 --group-size 2 \\
         --seeds 0 --out /tmp/agentic_vs_trl_smoke.json                 # smoke run
+    .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --lr 1e-12 --steps 10 --seeds 0 \
+        --out results/agentic_vs_trl_frozen.json    # throughput alone: one frozen policy
 """
 
 from __future__ import annotations
@@ -67,9 +70,11 @@ PEER = ROOT / "benchmarks/peer_trl_agentic.py"
 
 NOTES = [
     "Both sides play episodes with rollart's episode loop (run_episodes) and differ in "
-    "generation (rollart: HFEngine, finished rows leave the batch; TRL: transformers generate "
-    "as in GRPOTrainer._generate_single_turn, finished rows decode padding until the batch's "
-    "last row ends) and in training (rollart: the flow's trainer worker; TRL: GRPOTrainer).",
+    "generation (rollart: its engine, `rollart_engine`: vLLM keeps each conversation's KV "
+    "cache between turns (prefix caching), HF re-encodes it; finished rows leave the batch; "
+    "TRL: transformers generate as in GRPOTrainer._generate_single_turn, the whole conversation "
+    "re-encoded each turn, finished rows decode padding until the batch's last row ends) and "
+    "in training (rollart: the flow's trainer worker; TRL: GRPOTrainer).",
     "Model tokens are tokens that enter an episode (loss mask 1) on both sides; padding TRL "
     "decodes for finished rows is not counted.",
     "Held-out: greedy play against the guess env depends only on the secret, so one seed per "
@@ -292,8 +297,11 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2, help="prompts (env seeds) per step")
     ap.add_argument("--group-size", type=int, default=8, help="episodes per prompt")
     ap.add_argument("--seeds", default="0,1", help="run seeds, one run per framework each")
+    ap.add_argument("--lr", type=float, default=Match.lr,
+                    help="both sides; 1e-12 freezes the policy (float32 weights do not move), "
+                         "so both generate from the same model: a throughput-only run")
     ap.add_argument("--frameworks", default="trl,rollart")
-    ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollart's engine")
+    ap.add_argument("--engine", default="vllm", choices=["hf", "vllm"], help="rollart's engine")
     ap.add_argument("--kv-cache-mb", type=int, default=1024,
                     help="vLLM's KV cache (16 episodes of 6 turns need ~1 GiB)")
     ap.add_argument("--staleness", type=int, default=0, help="rollart's rollout.max_staleness")
@@ -313,7 +321,7 @@ def main() -> None:
     from rollart.models.fetch import fetch_model
 
     host = host_facts()  # the commit that runs (the tree may change while this runs)
-    m = Match(steps=a.steps, groups=a.groups, group_size=a.group_size)
+    m = Match(steps=a.steps, groups=a.groups, group_size=a.group_size, lr=a.lr)
     seeds = [int(s) for s in a.seeds.split(",") if s]
     model_dir = fetch_model("smollm2-135m-instruct")["path"]
     tok = AutoTokenizer.from_pretrained(model_dir)

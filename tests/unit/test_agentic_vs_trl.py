@@ -196,3 +196,26 @@ def test_rollart_overrides_pin_every_matched_setting(tmp_path):
     seeds = train_seeds(overrides, 3)
     assert len(seeds) == 3 and all(len(s) == 2 for s in seeds)
     assert max(max(s) for s in seeds) < EVAL_SEED_OFFSET  # disjoint from the held-out set
+
+
+def test_rollart_overrides_correct_off_policy_sampling_only_when_it_departs_from_trl(tmp_path):
+    """Matched runs are on-policy float32 on both sides (off_policy none); a stale or bf16
+    rollart engine samples from another distribution than the trainer's, so tis corrects it."""
+    from benchmarks.agentic_vs_trl import CONFIG, rollart_overrides
+    from rollart.config import load_config
+
+    if not CONFIG.exists():
+        pytest.skip(f"{CONFIG} not present")
+    m = Match(steps=3, groups=2, group_size=4)
+
+    def cfg(**kw):
+        return load_config(CONFIG, rollart_overrides(m, 0, str(tmp_path), tmp_path / "a", 2,
+                                                     "vllm", **kw))
+
+    exact = cfg(kv_cache_mb=2048)
+    assert exact.engine.backend == "vllm" and exact.algo.off_policy == "none"
+    assert exact.engine.vllm.kv_cache_mb == 2048 and exact.engine.vllm.dtype == "float32"
+    stale = cfg(staleness=1)
+    assert stale.rollout.max_staleness == 1 and stale.algo.off_policy == "tis"
+    half = cfg(engine_dtype="bfloat16")
+    assert half.engine.vllm.dtype == "bfloat16" and half.algo.off_policy == "tis"
