@@ -327,6 +327,12 @@ class EpisodeSteps:
 
     def _generation_failed(self, err: Exception) -> None:
         if isinstance(err, EpisodeCancelled):
+            if self.cancelled():
+                return None  # whoever cancelled it accounts for it
+            # Its batcher stopped under an episode nobody cancelled: ending quietly would
+            # count it as finished with the turns it has (none, often); it fails instead.
+            self.ep.traj.error = "generate: the engine's batcher stopped"
+            self.reason = "engine_error"
             return None
         if isinstance(err, NoReplicaLeft):  # the run cannot go on: say why
             if self.on_fatal is not None:

@@ -173,17 +173,24 @@ def test_a_failed_reset_ends_the_episode_before_any_token() -> None:
                                                     "env_error", [])
 
 
-@pytest.mark.parametrize("err, error, reason, fatal", [
-    (EpisodeCancelled(), None, "env_error", False),
-    (NoReplicaLeft("none left"), None, "env_error", True),
-    (RuntimeError("boom"), "generate: RuntimeError: boom", "engine_error", False),
+@pytest.mark.parametrize("err, error, reason, fatal, cancelled", [
+    # cancelled by whoever accounts for it (the service stopping, a stale group): quiet
+    (EpisodeCancelled(), None, "env_error", False, True),
+    # its batcher stopped under it, nobody cancelled it: a failure, never a finished episode
+    (EpisodeCancelled(), "generate: the engine's batcher stopped", "engine_error", False, False),
+    (NoReplicaLeft("none left"), None, "env_error", True, False),
+    (RuntimeError("boom"), "generate: RuntimeError: boom", "engine_error", False, False),
 ])
 def test_a_failed_generation_costs_what_the_policy_says(err: Exception, error: str | None,
-                                                        reason: str, fatal: bool) -> None:
+                                                        reason: str, fatal: bool,
+                                                        cancelled: bool) -> None:
     fatals: list[BaseException] = []
-    steps = EpisodeSteps(SPEC, Chat(), PARAMS, max_context=64, on_fatal=fatals.append)
+    flag = {"cancelled": False}
+    steps = EpisodeSteps(SPEC, Chat(), PARAMS, max_context=64, on_fatal=fatals.append,
+                         cancelled=lambda: flag["cancelled"])
     steps.start()
     steps.advance(("sys", "Guess.", None), seconds=0.5)
+    flag["cancelled"] = cancelled
     assert steps.fail(err, seconds=2.0) is None
     t = steps.finish()
     assert (t.error, steps.reason, fatals == [err]) == (error, reason, fatal)

@@ -72,8 +72,12 @@ def test_a_broken_rollout_service_is_rebuilt_from_its_live_state(tmp_path):
     assert max(Counter(ledger.ids()).values()) == 1  # nobody consumed or dropped twice
     c = ledger.counts()
     assert c["consumed"] == 3 * 2 * 2 and c["pending"] == 0
-    interrupted = [r for r in ledger.records if r[2] == "dropped" and "interrupted" in r]
-    assert len(interrupted) == restored["interrupted"] == c["dropped"]
+    dropped = [r for r in ledger.records if r[2] == "dropped"]
+    interrupted = [r for r in dropped if "interrupted" in r]
+    assert len(interrupted) == restored["interrupted"] and len(dropped) == c["dropped"]
+    # A turn that reached the dead batcher before the rebuild fails its episode (re-issued,
+    # so every group still completes); it never counts as a finished member.
+    assert all("interrupted" in r or "engine_error" in r for r in dropped)
 
 
 class _Svc:
