@@ -26,7 +26,7 @@ env steps = turns played; rates are over each run's whole wall time, start-up in
     make peer && .venv/bin/python benchmarks/agentic_vs_trl.py     # -> results/agentic_vs_trl.json
     .venv/bin/python benchmarks/agentic_vs_trl.py --steps 2 --groups 1 --group-size 2 \\
         --seeds 0 --out /tmp/agentic_vs_trl_smoke.json                 # smoke run
-    .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --lr 1e-12 --steps 10 --seeds 0 \
+    .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --lr 1e-12 --steps 10 --seeds 0 \\
         --out results/agentic_vs_trl_frozen.json    # throughput alone: one frozen policy
 """
 
