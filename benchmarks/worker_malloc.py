@@ -3,7 +3,7 @@
 Times 3 forward+backward steps of the tiny Llama (64 x 250 tokens) with 1 and 2 threads: in the
 driver, and in an H800-class worker spawned with Dask's default pre-spawn environment
 (MALLOC_TRIM_THRESHOLD_=65536, OMP/MKL/OPENBLAS threads = 1), with rollart's (infra/dask_cluster
-.WORKER_ENVIRON: trim threshold unset), and with none. All in one process, so the ratios compare.
+.WORKER_ENVIRON), and with none. All in one process, so the ratios compare.
 
 Writes results/worker_malloc.json and prints one summary line.
 """
@@ -11,6 +11,7 @@ Writes results/worker_malloc.json and prints one summary line.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ def in_worker(environ: dict) -> dict[str, float]:
 
     import infra.dask_cluster as dc
 
-    saved = dict(dc.WORKER_ENVIRON)
+    saved, process_env = dict(dc.WORKER_ENVIRON), dict(os.environ)
     dc.WORKER_ENVIRON.clear()
     dc.WORKER_ENVIRON.update(environ)
     try:
@@ -52,6 +53,10 @@ def in_worker(environ: dict) -> dict[str, float]:
     finally:
         dc.WORKER_ENVIRON.clear()
         dc.WORKER_ENVIRON.update(saved)
+        # The nanny writes its pre-spawn environment into this process's os.environ: the next
+        # variant's worker would inherit it.
+        os.environ.clear()
+        os.environ.update(process_env)
 
 
 def main() -> None:

@@ -231,6 +231,15 @@ def _agentic_vs_trl(d: dict) -> str:
             f"held-out gain {d['rollart_success_gain']:.3f} vs TRL {d['trl_success_gain']:.3f}")
 
 
+def _trainer_heap(d: dict) -> str:
+    g, r = d["summary"]["glibc_default"], d["summary"]["rollart"]
+    return (f"SmolLM2-135M updates in a worker, glibc's heap policy / rollart's: first two "
+            f"**{d['first_two_ratio']:.2f}x** ({g['first_two_s']:.0f} vs "
+            f"{r['first_two_s']:.0f} s), "
+            f"later {d['later_ratio']:.2f}x; page faults {g['page_faults'] / 1e6:.1f} M vs "
+            f"{r['page_faults'] / 1e6:.1f} M")
+
+
 def _engines(d: dict) -> str:
     return (f"vLLM/HF tokens/s **{d['vllm_over_hf']:.2f}x**; log-prob error vs trainer "
             f"{d['logprob_mae_hf']:.1e} (HF), {d['logprob_mae_vllm']:.1e} (vLLM)")
@@ -378,6 +387,8 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
      "agentic_multitask.json", _multitask),
     ("HF vs vLLM engine", "make bench-engines", "engines.json", _engines),
+    ("Trainer memory policy in workers", "python benchmarks/trainer_heap.py --rounds 2",
+     "trainer_heap.json", _trainer_heap),
     ("Rollout service at scale", "python benchmarks/rollout_scale.py --repeats 2",
      "rollout_scale.json", _rollout_scale),
     ("Router CPU per decision", "python benchmarks/router_rebuild.py --repeats 11 --calls 3000",

@@ -17,12 +17,19 @@ from distributed import Nanny, Scheduler, Security, SpecCluster
 from rollart.config.hardware import default_workers, worker_classes
 
 # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in every worker it spawns (glibc hands freed
-# memory back to the OS eagerly); we leave glibc's default. An early one-off measurement blamed it
-# for a 1.5x torch slowdown in workers; `benchmarks/worker_malloc.py` does not reproduce that
-# (results/worker_malloc.json: same step time with and without it). What did speed the flow up
-# was setting torch threads in the thread that runs the work (see rollart/services/engine.py).
+# memory back to the OS eagerly). Rollart's workers keep what they freed instead: one malloc
+# arena (a worker's tasks and actor calls run on threads other than the main one, whose arenas
+# give memory back by themselves), no trimming, no mmap'd chunks (each would be unmapped when
+# freed). A trainer update on SmolLM2-135M peaks at ~6 GB; with glibc's default policy
+# each update re-faulted ~0.5 M pages the previous one had freed, and a fault costs ~10-20 us of
+# system time on the VMs here (benchmarks/trainer_heap.py -> results/trainer_heap.json). The
+# price: a worker's resident memory stays at its peak, which for a trainer or an engine is what
+# the next step needs anyway. Torch thread counts: set in the thread that runs the work (see
+# rollart/services/engine.py), not by OMP_NUM_THREADS here.
 WORKER_ENVIRON = {
-    "MALLOC_TRIM_THRESHOLD_": None,
+    "MALLOC_TRIM_THRESHOLD_": 1 << 40,
+    "MALLOC_ARENA_MAX": 1,
+    "MALLOC_MMAP_MAX_": 0,
     "OMP_NUM_THREADS": 1,
     "MKL_NUM_THREADS": 1,
     "OPENBLAS_NUM_THREADS": 1,

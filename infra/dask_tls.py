@@ -204,9 +204,8 @@ def connect_existing(stack: contextlib.ExitStack, address: str,
 
 def stack_dask_config_dir(state: Path) -> Path:
     """DASK_CONFIG of the stack's `dask scheduler` / `dask worker` processes: TLS with the
-    stack's certificates (made here on first use), and the nanny must not set
-    MALLOC_TRIM_THRESHOLD_ (see infra/dask_cluster.py); a YAML `null` unsets it, which an env
-    var cannot do."""
+    stack's certificates (made here on first use), and the workers' malloc settings in place of
+    the nanny's MALLOC_TRIM_THRESHOLD_ (WORKER_ENVIRON, see infra/dask_cluster.py)."""
     certs = ensure_certs(stack_cert_dir(state))
     d = private_dir(Path(state) / "dask-config")
     environ = {k: (None if v is None else str(v)) for k, v in WORKER_ENVIRON.items()}
