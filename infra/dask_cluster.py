@@ -21,7 +21,7 @@ from rollart.config.hardware import default_workers, worker_classes
 # arena (a worker's tasks and actor calls run on threads other than the main one, whose arenas
 # give memory back by themselves), no trimming, no mmap'd chunks (each would be unmapped when
 # freed). A trainer update on SmolLM2-135M peaks at ~6 GB; with glibc's default policy
-# each update re-faulted ~0.5 M pages the previous one had freed, and a fault costs ~10-20 us of
+# each update re-faulted ~0.5 M pages the previous one had freed, and a fault costs ~7-20 us of
 # system time on the VMs here (benchmarks/trainer_heap.py -> results/trainer_heap.json). The
 # price: a worker's resident memory stays at its peak, which for a trainer or an engine is what
 # the next step needs anyway. Torch thread counts: set in the thread that runs the work (see
