@@ -81,34 +81,14 @@ def updates_in_worker(n: int, threads: int) -> list[dict[str, float]]:
     return out
 
 
-def in_worker(environ: dict, n: int, threads: int) -> list[dict[str, float]]:
-    from distributed import Client
-
-    import infra.dask_cluster as dc
-
-    saved, process_env = dict(dc.WORKER_ENVIRON), dict(os.environ)
-    dc.WORKER_ENVIRON.clear()
-    dc.WORKER_ENVIRON.update(environ)
-    try:
-        with dc.HardwareClassCluster(workers={"H800": 1}, dashboard=False) as cluster:
-            with Client(cluster) as client:
-                return client.submit(updates_in_worker, n, threads, resources={"H800": 1},
-                                     pure=False).result()
-    finally:
-        dc.WORKER_ENVIRON.clear()
-        dc.WORKER_ENVIRON.update(saved)
-        # The nanny writes its pre-spawn environment into this process's os.environ: the next
-        # variant's worker would inherit it.
-        os.environ.clear()
-        os.environ.update(process_env)
-
-
 def summary(runs: list[list[dict[str, float]]]) -> dict[str, float]:
     first = [r[0]["update_s"] + r[1]["update_s"] for r in runs]
     later = [u["update_s"] for r in runs for u in r[2:]]
     return {"first_two_s": round(statistics.mean(first), 2),
             "later_median_s": round(statistics.median(later), 2),
             "total_s": round(statistics.mean(sum(u["update_s"] for u in r) for r in runs), 2),
+            "total_s_per_round": [round(sum(u["update_s"] for u in r), 2) for r in runs],
+            "first_two_s_per_round": [round(f, 2) for f in first],
             "page_faults": round(statistics.mean(sum(u["page_faults"] for u in r)
                                                  for r in runs)),
             "system_s": round(statistics.mean(sum(u["system_s"] for u in r) for r in runs), 2)}
@@ -124,6 +104,7 @@ def main() -> None:
     if not MODEL.exists():
         sys.exit(f"{MODEL} is missing: `rollart models fetch smollm2-135m-instruct`")
     import infra.dask_cluster as dc
+    from benchmarks.worker_malloc import in_worker
 
     keep = dict(dc.WORKER_ENVIRON)
     glibc = {k: v for k, v in keep.items() if not k.startswith("MALLOC_")}
@@ -131,7 +112,7 @@ def main() -> None:
     runs: dict[str, list] = {k: [] for k in variants}
     for _ in range(args.rounds):
         for name, env in variants.items():
-            runs[name].append(in_worker(env, args.updates, args.threads))
+            runs[name].append(in_worker(env, updates_in_worker, args.updates, args.threads))
             print(name, runs[name][-1], flush=True)
     s = {k: summary(v) for k, v in runs.items()}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,

@@ -14,9 +14,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+T = TypeVar("T")
 
 
 def step_times() -> dict[str, float]:
@@ -38,7 +41,9 @@ def step_times() -> dict[str, float]:
     return out
 
 
-def in_worker(environ: dict) -> dict[str, float]:
+def in_worker(environ: dict, fn: Callable[..., T] | None = None, *args: Any) -> T:
+    """`fn(*args)` (default: `step_times()`) in a fresh H800-class worker spawned with
+    `environ` as its pre-spawn environment."""
     from distributed import Client
 
     import infra.dask_cluster as dc
@@ -49,7 +54,8 @@ def in_worker(environ: dict) -> dict[str, float]:
     try:
         with dc.HardwareClassCluster(workers={"H800": 1}, dashboard=False) as cluster:
             with Client(cluster) as client:
-                return client.submit(step_times, resources={"H800": 1}, pure=False).result()
+                return client.submit(fn or step_times, *args, resources={"H800": 1},
+                                     pure=False).result()
     finally:
         dc.WORKER_ENVIRON.clear()
         dc.WORKER_ENVIRON.update(saved)
