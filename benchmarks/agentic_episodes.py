@@ -25,10 +25,11 @@ from typing import Any
 
 from rollart.config import TaskConfig
 from rollart.envs.guess import GuessEnv
+from rollart.models.chat import ChatFormat
 from rollart.rewards.client import reward_event
 from rollart.rewards.handlers import env_outcome
-from rollart.rollout.env_manager import EpisodeSpec
-from rollart.types import SamplingParams, Trajectory
+from rollart.rollout.env_manager import EpisodeSpec, constrained_params
+from rollart.types import GenerationRequest, SamplingParams, Trajectory
 
 EVAL_SEED_OFFSET = 1_000_000  # TaskConfig.eval_seed_offset: rollart's training seeds lie below
 
@@ -57,6 +58,9 @@ class Match:
     std_eps: float = 1e-4
     max_context: int = 4096  # rollart's limit for an hf_dir model (RunConfig.max_context)
     max_batch_size: int = 16  # rows per generate call
+    # Sample only the tokens of `<answer>K</answer>` turns (the task's `constrained: true`, as
+    # a token bag: vLLM's `allowed_token_ids`), on both sides and in the held-out evaluation.
+    constrained: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -69,19 +73,24 @@ class Match:
 
 
 def guess_task(m: Match) -> TaskConfig:
-    """The guess task as both sides run it (lenient parser, graded format credit, free
-    sampling: SmolLM2 starts at ~19 % success, results/agentic_base_rate.json)."""
+    """The guess task as both sides run it (lenient parser, graded format credit; free
+    sampling: SmolLM2 starts at ~19 % success, results/agentic_base_rate.json; constrained
+    to answer turns: 56 %)."""
     return TaskConfig(name="guess", env_id="guess",
                       env_kwargs={"low": m.low, "high": m.high, "show_range": True},
                       max_turns=m.max_turns, format_penalty=m.format_penalty, parser="lenient",
-                      format_credit="graded", constrained=False, max_new_tokens=m.max_new_tokens)
+                      format_credit="graded", constrained=m.constrained,
+                      max_new_tokens=m.max_new_tokens)
 
 
-def sampling(m: Match, greedy: bool = False) -> SamplingParams:
-    """Per-turn sampling (greedy: the held-out evaluation's)."""
-    return SamplingParams(max_new_tokens=m.max_new_tokens,
+def sampling(m: Match, tok: Any, greedy: bool = False) -> dict[str, SamplingParams]:
+    """Per-turn sampling of the guess task (greedy: the held-out evaluation's), with the answer
+    turns' token bag when `m.constrained` (what rollart's rollout service builds for the task;
+    the bag, not the answer trie, as its vLLM engine samples)."""
+    base = SamplingParams(max_new_tokens=m.max_new_tokens,
                           temperature=0.0 if greedy else m.temperature, top_p=m.top_p,
                           stop=list(m.stop))
+    return constrained_params(base, ChatFormat(tok), [guess_task(m)], grammar=False)
 
 
 def group_specs(task: TaskConfig, seeds: Sequence[int], group_size: int,
@@ -161,6 +170,31 @@ def tally_rows(rows: Iterable[dict[str, float]]) -> Tally:
         out.model_tokens += round(r["rollout/model_tokens"])
         out.successes += round(r["rollout/success_rate"] * done)
     return out
+
+
+class BagOnly:
+    """Every token outside `allowed` gets -inf (vLLM's `allowed_token_ids`, rollart's HF
+    engine's token bag): a constrained task's turns sample only its answer tokens."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = sorted(set(allowed))
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:  # [B, T], [B, V] -> [B, V]
+        import torch
+
+        keep = torch.full_like(scores, float("-inf"))
+        keep[:, self.allowed] = 0.0
+        return scores + keep
+
+
+def bag_only(requests: Sequence[GenerationRequest]) -> list[BagOnly] | None:
+    """The requests' shared token bag as transformers' `generate(logits_processor=...)`
+    (None when unconstrained: TRL's own generation, unchanged)."""
+    bags = {tuple(r.params.allowed_token_ids or ()) for r in requests}
+    if len(bags) != 1:
+        raise RuntimeError("one generate call samples one task: the requests' bags differ")
+    bag = bags.pop()
+    return [BagOnly(list(bag))] if bag else None
 
 
 def cut_completion(ids: Sequence[int], eos_ids: Iterable[int], stops: Sequence[str],

@@ -151,7 +151,7 @@ def evaluate(model: Any, tok: Any, m: Match, seeds: list[int]) -> dict[str, Any]
     t0 = time.perf_counter()
     engine = HFEngine(model, tok, seed=0, max_batch_size=m.max_batch_size)
     specs = group_specs(guess_task(m), seeds, 1, "eval")
-    trajs = run_episodes(specs, engine.generate, ChatFormat(tok), sampling(m, greedy=True),
+    trajs = run_episodes(specs, engine.generate, ChatFormat(tok), sampling(m, tok, greedy=True),
                          m.max_context)
     t = Tally().add(trajs)
     return {"success_rate": t.successes / len(trajs), "success": [int(x.success) for x in trajs],
@@ -300,6 +300,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=Match.lr,
                     help="both sides; 1e-12 freezes the policy (float32 weights do not move), "
                          "so both generate from the same model: a throughput-only run")
+    ap.add_argument("--constrained", action="store_true",
+                    help="both sides sample only answer-turn tokens (the task's constrained: "
+                         "true, as a token bag), the held-out evaluation too")
     ap.add_argument("--frameworks", default="trl,rollart")
     ap.add_argument("--engine", default="vllm", choices=["hf", "vllm"], help="rollart's engine")
     ap.add_argument("--kv-cache-mb", type=int, default=1024,
@@ -321,7 +324,8 @@ def main() -> None:
     from rollart.models.fetch import fetch_model
 
     host = host_facts()  # the commit that runs (the tree may change while this runs)
-    m = Match(steps=a.steps, groups=a.groups, group_size=a.group_size, lr=a.lr)
+    m = Match(steps=a.steps, groups=a.groups, group_size=a.group_size, lr=a.lr,
+              constrained=a.constrained)
     seeds = [int(s) for s in a.seeds.split(",") if s]
     model_dir = fetch_model("smollm2-135m-instruct")["path"]
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -58,7 +58,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # rollart's pure m
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessorList,
+    TrainerCallback,
+)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.models import unwrap_model_for_generation  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
@@ -66,6 +71,7 @@ from trl.trainer.utils import pad  # noqa: E402
 from benchmarks.agentic_episodes import (  # noqa: E402
     Match,
     Tally,
+    bag_only,
     cut_completion,
     episode_reward,
     guess_task,
@@ -178,11 +184,13 @@ class TRLGenerate:
         prompts = [torch.tensor(r.prompt_ids) for r in requests]
         ids = pad(prompts, padding_value=tok.pad_token_id, padding_side="left")
         mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left")
+        bag = bag_only(requests)  # a constrained task: its answer tokens only, as rollart's
         with (unwrap_model_for_generation(tr.model_wrapped, tr.accelerator,
                                           generation_kwargs=tr.generation_kwargs) as model,
               torch.no_grad()):
             full = model.generate(input_ids=ids, attention_mask=mask,
-                                  generation_config=self.config, tokenizer=tok)
+                                  generation_config=self.config, tokenizer=tok,
+                                  logits_processor=LogitsProcessorList(bag) if bag else None)
         dt = time.perf_counter() - t0
         self.generate_s += dt
         version = int(tr.state.global_step)
@@ -220,7 +228,7 @@ class Rollouts:
                                f"got seeds {seeds}")
         specs = [EpisodeSpec(self.task, s, f"s{step}/g{i // g}", f"s{step}/e{i}", step)
                  for i, s in enumerate(seeds)]
-        trajs = run_episodes(specs, self.generate, self.chat, sampling(self.m),
+        trajs = run_episodes(specs, self.generate, self.chat, sampling(self.m, self.tok),
                              self.m.max_context)
         samples = [trl_sample(t) for t in trajs]
         counts = Tally().add(trajs)

@@ -18,6 +18,7 @@ from benchmarks.agentic_episodes import (  # noqa: E402
     EVAL_SEED_OFFSET,
     Match,
     Tally,
+    bag_only,
     cut_completion,
     episode_reward,
     group_specs,
@@ -65,7 +66,7 @@ def play(tok, seed: int = 7, n: int = 2):
     env.reset(seed)
     chat = ChatFormat(tok)
     trajs = run_episodes(group_specs(guess_task(m), [seed], n, "t"),
-                         scripted(chat, env.secret), chat, sampling(m), m.max_context)
+                         scripted(chat, env.secret), chat, sampling(m, tok), m.max_context)
     return m, env, trajs
 
 
@@ -137,6 +138,30 @@ def test_cut_completion_follows_the_engines_finish_rule(tok):
     assert cut_completion(stop_ids, [chat.eos_id], [], decode, 24) == (stop_ids, "length")
 
 
+def test_constrained_match_samples_answer_tokens_only_on_both_sides(tok):
+    import torch
+
+    chat = ChatFormat(tok)
+    free = sampling(Match(), tok)["guess"]
+    params = sampling(Match(constrained=True), tok, greedy=True)["guess"]
+    assert free.allowed_token_ids is None and params.temperature == 0.0
+    bag = sorted(params.allowed_token_ids or [])
+    for k in range(1, 17):  # every answer turn can be sampled, and its end of turn
+        assert set(chat.encode(f"<answer>{k}</answer>")) | {chat.eos_id} <= set(bag)
+    assert not set(chat.encode("I guess the number")) <= set(bag)
+    # TRL's side: the same bag as a logits processor for transformers' generate
+    (proc,) = bag_only([GenerationRequest("a", [1], params), GenerationRequest("b", [2], params)])
+    scores = torch.randn(2, len(tok))
+    out = proc(torch.zeros(2, 1, dtype=torch.long), scores)
+    assert torch.equal(out[:, bag], scores[:, bag])
+    off = torch.ones(len(tok), dtype=torch.bool)
+    off[bag] = False
+    assert torch.isneginf(out[:, off]).all()
+    assert bag_only([GenerationRequest("a", [1], free)]) is None
+    with pytest.raises(RuntimeError, match="bags differ"):
+        bag_only([GenerationRequest("a", [1], params), GenerationRequest("b", [1], free)])
+
+
 def test_held_out_seeds_cover_every_secret_above_the_training_range():
     m = Match()
     seeds = held_out_seeds(m)
@@ -193,6 +218,10 @@ def test_rollart_overrides_pin_every_matched_setting(tmp_path):
     assert a.std_eps == m.std_eps and a.normalize_std and a.off_policy == "none"
     assert (cfg.train.lr, cfg.train.epochs, cfg.train.micro_batch_size) == (1e-5, 1, 8)
     assert cfg.eval.episodes == 0 and cfg.storage.save_every == 3
+    constrained = Match(steps=3, constrained=True)
+    cfg = load_config(CONFIG, rollart_overrides(constrained, 5, str(tmp_path),
+                                                tmp_path / "artifacts", 2, "vllm"))
+    assert cfg.tasks[0].constrained
     seeds = train_seeds(overrides, 3)
     assert len(seeds) == 3 and all(len(s) == 2 for s in seeds)
     assert max(max(s) for s in seeds) < EVAL_SEED_OFFSET  # disjoint from the held-out set
