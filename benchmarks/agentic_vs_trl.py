@@ -90,6 +90,15 @@ NOTES = [
     "and reused by later ones, as a user's later runs reuse it.",
 ]
 
+CONSTRAINED_NOTE = (
+    "--constrained: both sides sample each turn from the answer tokens only (`<`, `answer`, "
+    "`>`, `</`, the digits, end of turn: the task's `constrained: true` as a token bag, vLLM's "
+    "`allowed_token_ids`; on TRL's side a logits processor on its `generate`), and so does the "
+    "held-out evaluation. The losses differ in one respect: rollart's trainer takes each "
+    "token's log-probability under the restriction it was sampled under (softmax over the "
+    "bag), TRL's GRPOTrainer over the whole vocabulary (it has no hook for a restriction); "
+    "on-policy with one optimizer step per batch, both ratios start at 1.")
+
 
 def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: int,
                       engine: str, kv_cache_mb: int = 1024, staleness: int = 0,
@@ -376,7 +385,8 @@ def main() -> None:
            "run_seeds": seeds, "rollart_engine": a.engine,
            "rollart_config": str(CONFIG.relative_to(ROOT)),
            "held_out_seeds": held, "base_success": base["success_rate"], "base": base,
-           **summarise(runs, base["success_rate"], seeds), "mechanism": mech, "notes": NOTES,
+           **summarise(runs, base["success_rate"], seeds), "mechanism": mech,
+           "notes": NOTES + ([CONSTRAINED_NOTE] if m.constrained else []),
            "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
