@@ -142,6 +142,8 @@ class Trainer:
         batch = collate(trajs, self.pad_id, self._vocab_size(), self.token_texts)
         if self.device.type != "cpu":
             batch = batch.to(self.device)
+        if self._no_signal(batch):
+            return self._momentum_step(trajs, batch, t0)
         algo = self.algo
         plan = self._micro_plan(batch)  # this rank's micro-batches: (rows, Batch, weight on)
         ref_parts = None
@@ -212,6 +214,37 @@ class Trainer:
         metrics["train/update_s"] = dt = time.perf_counter() - t0
         # every real (non-pad) token goes through the forward passes, model tokens or not
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) / max(dt, 1e-9)
+        self.version += 1
+        self.step += 1
+        return metrics
+
+    def _no_signal(self, batch: Batch) -> bool:
+        """Every advantage is 0 and the loss has no other term (no KL, no entropy bonus, no
+        trust-region guard): the clipped surrogate and its gradient are then exactly 0, so
+        the forward and backward passes can be left out (a group whose episodes all scored
+        alike has zero advantages: a batch of such groups carries no signal). Sharded ranks
+        always run their passes."""
+        algo = self.algo
+        return (algo.loss == "ppo_clip" and algo.kl_coef == 0 and algo.entropy_coef == 0
+                and self.ref_model is None and self.cfg.max_kl == 0
+                and not self.ranks.sharded and not bool(batch.advantages.any()))
+
+    def _momentum_step(self, trajs: list[Trajectory], batch: Batch,
+                       t0: float) -> dict[str, float]:
+        """The update of a batch without signal: its gradient is exactly 0, but AdamW still
+        moves the weights along its running moments, so each epoch steps with zero gradients,
+        exactly as the passes would have ended (same weights, same optimizer state)."""
+        for _ in range(self.cfg.epochs):
+            for p in self.policy.parameters():
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {**staleness_metrics([x.token_versions for x in trajs], self.version),
+                   "train/loss": 0.0, "train/pg_loss": 0.0, "train/grad_norm": 0.0,
+                   "train/no_signal": 1.0, "train/nonfinite_skipped": 0.0,
+                   "train/sequences": float(len(batch)),
+                   "train/tokens": float(batch.loss_mask.sum())}
+        metrics["train/update_s"] = time.perf_counter() - t0
         self.version += 1
         self.step += 1
         return metrics

@@ -113,6 +113,50 @@ def test_update_moves_logprobs_along_advantage(policy):
     assert metrics["train/clip_frac"] == 0.0  # one epoch: ratio is exactly 1
 
 
+def test_batch_without_signal_skips_its_passes_and_lands_where_they_would(policy):
+    """All advantages 0 (every group scored alike): the update leaves out the forward and
+    backward passes but steps AdamW along its moments, to exactly the weights and optimizer
+    state the passes reach (their gradient is exactly 0)."""
+    model, tok = policy
+    trajs = run_episodes(_specs(4), HFEngine(model, tok, seed=0).generate, ChatFormat(tok),
+                         SamplingParams(max_new_tokens=6))
+    signal = [1.0, -1.0, 0.5, -0.5]
+
+    def trained(skip: bool):
+        m = build_tiny_model(TinyModelConfig(), tok, seed=3)
+        tr = Trainer(m, AlgoConfig(entropy_coef=0.0), TrainConfig(lr=1e-2, epochs=2),
+                     pad_id=tok.pad_token_id)
+        if not skip:
+            tr._no_signal = lambda batch: False  # type: ignore[method-assign]
+        for t, a in zip(trajs, signal, strict=True):
+            t.advantage = a
+        first = tr.update(trajs)  # moments now non-zero
+        for t in trajs:
+            t.advantage = 0.0
+        before = [p.detach().clone() for p in m.parameters()]
+        metrics = tr.update(trajs)
+        return tr, before, metrics, first
+
+    fast, before, m_fast, first = trained(skip=True)
+    slow, _, m_slow, _ = trained(skip=False)
+    assert "train/no_signal" not in first and m_fast["train/no_signal"] == 1.0
+    assert "train/no_signal" not in m_slow and m_slow["train/grad_norm"] == 0.0
+    assert fast.version == slow.version == 2
+    moved = False
+    for pf, ps, p0 in zip(fast.model.parameters(), slow.model.parameters(), before,
+                          strict=True):
+        assert torch.equal(pf, ps)  # bit for bit
+        moved |= not torch.equal(pf, p0)  # momentum moved them
+    assert moved
+    for sf, ss in zip(fast.optimizer.state.values(), slow.optimizer.state.values(),
+                      strict=True):
+        assert all(torch.equal(sf[k], ss[k]) for k in sf)
+    # Any term besides the surrogate (here an entropy bonus) needs the passes.
+    tr = Trainer(build_tiny_model(TinyModelConfig(), tok, seed=3), AlgoConfig(entropy_coef=0.01),
+                 TrainConfig(lr=1e-2), pad_id=tok.pad_token_id)
+    assert "train/no_signal" not in tr.update(trajs)
+
+
 def test_collate_shifts_mask_to_targets(policy):
     _, tok = policy
     from rollart.types import Trajectory
