@@ -9,7 +9,8 @@ by both sides), the same env seeds per step (rollart's own plan, `plan_iteration
 reward (`env_outcome`), batch (`--groups` x `--group-size` episodes), per-turn token budget,
 turns per episode, temperature, learning rate, loss (GRPO group advantage, PPO clip 0.2, token
 mean per episode then mean over episodes, no KL / reference model, one optimizer step per
-batch) and with observation tokens out of both losses.
+batch) and with observation tokens out of both losses. With `--constrained` both sample each
+turn from the answer tokens only, the held-out evaluation too (`CONSTRAINED_NOTE`).
 
 TRL runs in its own venv (`make peer`), through its experimental `rollout_func` (why that one,
 with the source lines: `benchmarks/peer_trl_agentic.py`, and `mechanism` in the results file).
@@ -23,7 +24,12 @@ before training and after each run. Accounting, the same on both sides (`Tally` 
 trajectories: rollart's stored shards, TRL's rollout_func): model tokens = generated tokens,
 env steps = turns played; rates are over each run's whole wall time, start-up included.
 
-    make peer && .venv/bin/python benchmarks/agentic_vs_trl.py     # -> results/agentic_vs_trl.json
+    make peer && .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --constrained
+                                                                # -> results/agentic_vs_trl.json
+    .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --lr 5e-6 \\
+        --out results/agentic_vs_trl_lr5e-6.json                # the same at lr 5e-6
+    .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 \\
+        --out results/agentic_vs_trl_free.json                   # free sampling (lr 2e-5)
     .venv/bin/python benchmarks/agentic_vs_trl.py --steps 2 --groups 1 --group-size 2 \\
         --seeds 0 --out /tmp/agentic_vs_trl_smoke.json                 # smoke run
     .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --lr 1e-12 --steps 10 --seeds 0 \\
