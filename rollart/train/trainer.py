@@ -139,11 +139,11 @@ class Trainer:
         trajs = [x for x in trajs if x.num_model_tokens > 0]
         if not trajs:
             return {"train/skipped": 1.0}
+        if self._no_signal(trajs):  # before collating: nothing of the batch is needed
+            return self._momentum_step(trajs, t0)
         batch = collate(trajs, self.pad_id, self._vocab_size(), self.token_texts)
         if self.device.type != "cpu":
             batch = batch.to(self.device)
-        if self._no_signal(batch):
-            return self._momentum_step(trajs, batch, t0)
         algo = self.algo
         plan = self._micro_plan(batch)  # this rank's micro-batches: (rows, Batch, weight on)
         ref_parts = None
@@ -218,7 +218,7 @@ class Trainer:
         self.step += 1
         return metrics
 
-    def _no_signal(self, batch: Batch) -> bool:
+    def _no_signal(self, trajs: list[Trajectory]) -> bool:
         """Every advantage is 0 and the loss has no other term (no KL, no entropy bonus, no
         trust-region guard): the clipped surrogate and its gradient are then exactly 0, so
         the forward and backward passes can be left out (a group whose episodes all scored
@@ -227,10 +227,9 @@ class Trainer:
         algo = self.algo
         return (algo.loss == "ppo_clip" and algo.kl_coef == 0 and algo.entropy_coef == 0
                 and self.ref_model is None and self.cfg.max_kl == 0
-                and not self.ranks.sharded and not bool(batch.advantages.any()))
+                and not self.ranks.sharded and not any(x.advantage for x in trajs))
 
-    def _momentum_step(self, trajs: list[Trajectory], batch: Batch,
-                       t0: float) -> dict[str, float]:
+    def _momentum_step(self, trajs: list[Trajectory], t0: float) -> dict[str, float]:
         """The update of a batch without signal: its gradient is exactly 0, but AdamW still
         moves the weights along its running moments, so each epoch steps with zero gradients,
         exactly as the passes would have ended (same weights, same optimizer state)."""
@@ -242,8 +241,8 @@ class Trainer:
         metrics = {**staleness_metrics([x.token_versions for x in trajs], self.version),
                    "train/loss": 0.0, "train/pg_loss": 0.0, "train/grad_norm": 0.0,
                    "train/no_signal": 1.0, "train/nonfinite_skipped": 0.0,
-                   "train/sequences": float(len(batch)),
-                   "train/tokens": float(batch.loss_mask.sum())}
+                   "train/sequences": float(len(trajs)),
+                   "train/tokens": float(sum(x.num_model_tokens for x in trajs))}
         metrics["train/update_s"] = time.perf_counter() - t0
         self.version += 1
         self.step += 1

@@ -127,7 +127,7 @@ def test_batch_without_signal_skips_its_passes_and_lands_where_they_would(policy
         tr = Trainer(m, AlgoConfig(entropy_coef=0.0), TrainConfig(lr=1e-2, epochs=2),
                      pad_id=tok.pad_token_id)
         if not skip:
-            tr._no_signal = lambda batch: False  # type: ignore[method-assign]
+            tr._no_signal = lambda trajs: False  # type: ignore[method-assign]
         for t, a in zip(trajs, signal, strict=True):
             t.advantage = a
         first = tr.update(trajs)  # moments now non-zero
@@ -141,6 +141,8 @@ def test_batch_without_signal_skips_its_passes_and_lands_where_they_would(policy
     slow, _, m_slow, _ = trained(skip=False)
     assert "train/no_signal" not in first and m_fast["train/no_signal"] == 1.0
     assert "train/no_signal" not in m_slow and m_slow["train/grad_norm"] == 0.0
+    assert m_fast["train/tokens"] == m_slow["train/tokens"]
+    assert m_fast["train/sequences"] == m_slow["train/sequences"]
     assert fast.version == slow.version == 2
     moved = False
     for pf, ps, p0 in zip(fast.model.parameters(), slow.model.parameters(), before,
