@@ -186,6 +186,21 @@ class AlgoConfig(_Strict):
     icepop_high: float = Field(2.0, gt=0.0)
     """off_policy `icepop`: tokens whose trainer/engine probability ratio is above this are
     masked."""
+    constrained_logprobs: Literal["restricted", "vocab"] = "restricted"
+    """Turns sampled under a restriction (a task's `constrained: true`): "restricted" takes each
+    token's log-probability under the tokens it was sampled from, the engine's own distribution;
+    "vocab" over the whole vocabulary, as TRL's GRPOTrainer does (the restriction is then part of
+    the environment, and the loss also moves the probability outside it). "vocab" needs
+    off_policy none: the engine's log-probs are the restricted ones."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        if self.constrained_logprobs == "vocab" and self.off_policy != "none":
+            raise ValueError("algo.constrained_logprobs: vocab compares the trainer's whole-"
+                             "vocabulary log-probs, but off_policy corrections compare them with "
+                             "the engine's restricted ones; set algo.off_policy: none or "
+                             "algo.constrained_logprobs: restricted")
+        return self
 
 
 class TrainConfig(_Strict):

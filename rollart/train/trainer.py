@@ -141,7 +141,9 @@ class Trainer:
             return {"train/skipped": 1.0}
         if self._no_signal(trajs):  # before collating: nothing of the batch is needed
             return self._momentum_step(trajs, t0)
-        batch = collate(trajs, self.pad_id, self._vocab_size(), self.token_texts)
+        # Under "vocab" the loss ignores the sampling restriction: no per-position table.
+        vocab = self._vocab_size() if self.algo.constrained_logprobs == "restricted" else None
+        batch = collate(trajs, self.pad_id, vocab, self.token_texts)
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         algo = self.algo

@@ -28,6 +28,7 @@ def test_overrides_parse_yaml_scalars():
         (["model.tiny.num_heads=4"], "head_dim"),
         (["cluster.stages.engine=TPU"], "no workers"),
         (["model.source=hf_dir"], "model.path is required"),
+        (["algo.constrained_logprobs=vocab"], "set algo.off_policy: none"),
     ],
 )
 def test_bad_config_names_the_key(overrides, fragment):

@@ -1,5 +1,7 @@
 """Episode loop and trainer on the real tiny policy (no cluster): masks, log-probs, updates."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -157,6 +159,41 @@ def test_batch_without_signal_skips_its_passes_and_lands_where_they_would(policy
     tr = Trainer(build_tiny_model(TinyModelConfig(), tok, seed=3), AlgoConfig(entropy_coef=0.01),
                  TrainConfig(lr=1e-2), pad_id=tok.pad_token_id)
     assert "train/no_signal" not in tr.update(trajs)
+
+
+def test_vocab_logprobs_train_a_constrained_batch_as_if_it_were_sampled_freely(policy):
+    """algo.constrained_logprobs: "restricted" scores each token under the bag it was sampled
+    from (softmax over the bag: never below its whole-vocabulary log-prob), "vocab" over the
+    whole vocabulary, so its update is the one on the same tokens sampled without a bag."""
+    model, tok = policy
+    trajs = run_episodes(_specs(2), HFEngine(model, tok, seed=0).generate, ChatFormat(tok),
+                         SamplingParams(max_new_tokens=6))
+    trajs[0].advantage, trajs[1].advantage = 1.0, -1.0
+    bag = sorted({t for x in trajs for t, m in zip(x.token_ids, x.loss_mask, strict=True) if m})
+    bagged = [replace(x, allowed_token_ids=bag) for x in trajs]
+
+    def trainer(mode: str) -> Trainer:
+        return Trainer(build_tiny_model(TinyModelConfig(), tok, seed=3),
+                       AlgoConfig(entropy_coef=0.0, off_policy="none", constrained_logprobs=mode),
+                       TrainConfig(lr=1e-2, epochs=1), pad_id=tok.pad_token_id)
+
+    probe = trainer("restricted")
+    vocab = probe._vocab_size()
+    b_free, b_bag = collate(trajs, tok.pad_token_id, vocab), collate(bagged, tok.pad_token_id,
+                                                                      vocab)
+    lp_free, lp_bag = probe._logprobs(probe.model, b_free), probe._logprobs(probe.model, b_bag)
+    sel = b_bag.loss_mask > 0
+    assert len(bag) < vocab and bool((lp_bag[sel] > lp_free[sel]).all())
+
+    def weights(mode: str, batch: list) -> list[torch.Tensor]:
+        tr = trainer(mode)
+        tr.update(batch)
+        return [p.detach() for p in tr.model.parameters()]
+
+    free = weights("restricted", trajs)
+    assert all(torch.equal(a, b) for a, b in zip(free, weights("vocab", bagged), strict=True))
+    assert not all(torch.equal(a, b)
+                   for a, b in zip(free, weights("restricted", bagged), strict=True))
 
 
 def test_collate_shifts_mask_to_targets(policy):
