@@ -108,7 +108,8 @@ CONSTRAINED_NOTE = (
 
 def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: int,
                       engine: str, kv_cache_mb: int = 1024, staleness: int = 0,
-                      engine_dtype: str = "float32") -> list[str]:
+                      engine_dtype: str = "float32",
+                      constrained_logprobs: str = "restricted") -> list[str]:
     """Every matched setting pinned, whatever the config file says (another engineer owns it).
     `staleness` > 0 or a bf16 engine departs from TRL's on-policy fp32 sampling: rollart then
     corrects the sampling/training mismatch with truncated importance sampling (`tis`)."""
@@ -119,7 +120,11 @@ def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: 
             "loss_agg": "seq_mean_token_mean", "kl_coef": 0.0, "entropy_coef": 0.0,
             # TRL has no behaviour correction without vLLM; rollart's "tis" weights would be
             # 1 within ~1e-6 here (synced weights), "none" makes the objectives identical.
-            "off_policy": "none" if exact else "tis"}
+            "off_policy": "none" if exact else "tis",
+            # Under --constrained: "vocab" takes log-probs over the whole vocabulary, as TRL's
+            # GRPOTrainer does; "restricted" under the bag each token was sampled from.
+            # (tis compares with the engine's restricted log-probs: only under "restricted").
+            "constrained_logprobs": constrained_logprobs if exact else "restricted"}
     return [f"seed={seed}", f"iterations={m.steps}", "model.source=hf_dir",
             f"model.path={model_dir}", "model.dtype=float32", f"engine.backend={engine}",
             f"engine.max_new_tokens={m.max_new_tokens}", f"engine.temperature={m.temperature}",
@@ -196,7 +201,7 @@ def run_trl(m: Match, model_dir: str, data: Path, work: Path, seed: int, threads
             "tally": {k: res[k] for k in ("episodes", "env_steps", "model_tokens", "successes")},
             "per_step": steps, "reward": res["reward"], "trl_config": res["trl_config"],
             "seeds_played": [s["seeds"][::m.group_size] for s in steps], "command": cmd,
-            "model": str(save)}
+            "model": str(save), **trl_signal(res, m.groups)}
 
 
 def read_shards(run_dir: Path) -> tuple[Tally, list[list[int]]]:
@@ -241,7 +246,23 @@ def run_rollart(m: Match, overrides: list[str], work: Path, seed: int) -> dict:
             "tally": vars(tally), "tally_from_metrics": vars(tally_rows(rows)),
             "reward": [r.get("reward/mean") for r in rows],
             "success_rate": [r.get("rollout/success_rate") for r in rows],
-            "seeds_played": played, "command": cmd, "run_dir": str(run_dir)}
+            "seeds_played": played, "command": cmd, "run_dir": str(run_dir),
+            **rollart_signal(rows)}
+
+
+def rollart_signal(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Groups whose episodes all scored alike (no advantage), and updates without gradient."""
+    return {"uniform_groups": int(sum(r.get("reward/zero_variance_groups", 0) for r in rows)),
+            "updates_without_gradient": sum(1 for r in rows if r.get("train/no_signal")
+                                            or r.get("train/grad_norm") == 0.0)}
+
+
+def trl_signal(res: dict[str, Any], groups: int) -> dict[str, int]:
+    """The same counts from TRL's logs (`frac_reward_zero_std` per step: the share of groups
+    whose rewards have zero std)."""
+    return {"uniform_groups": round(sum(f * groups for f in res.get("frac_reward_zero_std", [])
+                                        if f is not None)),
+            "updates_without_gradient": sum(1 for g in res.get("grad_norm", []) if g == 0.0)}
 
 
 def final_state(run_dir: str) -> dict[str, torch.Tensor]:
@@ -318,6 +339,9 @@ def main() -> None:
     ap.add_argument("--constrained", action="store_true",
                     help="both sides sample only answer-turn tokens (the task's constrained: "
                          "true, as a token bag), the held-out evaluation too")
+    ap.add_argument("--logprobs", default="vocab", choices=["vocab", "restricted"],
+                    help="--constrained: rollart's algo.constrained_logprobs (vocab: over the "
+                         "whole vocabulary, as TRL's loss; restricted: under the bag)")
     ap.add_argument("--frameworks", default="trl,rollart")
     ap.add_argument("--engine", default="vllm", choices=["hf", "vllm"], help="rollart's engine")
     ap.add_argument("--kv-cache-mb", type=int, default=1024,
@@ -362,7 +386,7 @@ def main() -> None:
         for i, seed in enumerate(seeds):
             overrides = rollart_overrides(m, seed, model_dir, work / "artifacts", a.threads,
                                           a.engine, a.kv_cache_mb, a.staleness,
-                                          a.engine_dtype)
+                                          a.engine_dtype, a.logprobs)
             planned = train_seeds(overrides, m.steps)
             data = work / f"data-{seed}.json"
             data.write_text(json.dumps({"match": m.to_json(), "train_seeds": planned}))
@@ -389,6 +413,7 @@ def main() -> None:
            "host": {**host, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
            "model": "SmolLM2-135M-Instruct (float32)", "settings": m.to_json(),
            "run_seeds": seeds, "rollart_engine": a.engine,
+           "rollart_constrained_logprobs": a.logprobs if m.constrained else None,
            "rollart_config": str(CONFIG.relative_to(ROOT)),
            "held_out_seeds": held, "base_success": base["success_rate"], "base": base,
            **summarise(runs, base["success_rate"], seeds), "mechanism": mech,

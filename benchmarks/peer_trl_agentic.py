@@ -347,6 +347,8 @@ def main() -> None:
         "episodes": t.episodes, "env_steps": t.env_steps, "model_tokens": t.model_tokens,
         "successes": t.successes, "reward": [h["reward"] for h in logs],
         "trl_completion_mean_length": [h.get("completions/mean_length") for h in logs],
+        "frac_reward_zero_std": [h.get("frac_reward_zero_std") for h in logs],
+        "grad_norm": [h.get("grad_norm") for h in logs],
         "trl_config": {k: str(getattr(trainer.args, k)) for k in CONFIG_KEYS},
     }, indent=1))
 

@@ -221,7 +221,11 @@ def test_rollart_overrides_pin_every_matched_setting(tmp_path):
     constrained = Match(steps=3, constrained=True)
     cfg = load_config(CONFIG, rollart_overrides(constrained, 5, str(tmp_path),
                                                 tmp_path / "artifacts", 2, "vllm"))
-    assert cfg.tasks[0].constrained
+    assert cfg.tasks[0].constrained and cfg.algo.constrained_logprobs == "restricted"
+    cfg = load_config(CONFIG, rollart_overrides(constrained, 5, str(tmp_path),
+                                                tmp_path / "artifacts", 2, "vllm",
+                                                constrained_logprobs="vocab"))
+    assert cfg.algo.constrained_logprobs == "vocab"  # TRL's loss: the whole vocabulary
     seeds = train_seeds(overrides, 3)
     assert len(seeds) == 3 and all(len(s) == 2 for s in seeds)
     assert max(max(s) for s in seeds) < EVAL_SEED_OFFSET  # disjoint from the held-out set
@@ -248,3 +252,18 @@ def test_rollart_overrides_correct_off_policy_sampling_only_when_it_departs_from
     assert stale.rollout.max_staleness == 1 and stale.algo.off_policy == "tis"
     half = cfg(engine_dtype="bfloat16")
     assert half.engine.vllm.dtype == "bfloat16" and half.algo.off_policy == "tis"
+    # tis compares with the engine's restricted log-probs: whole-vocabulary ones fall back.
+    assert cfg(staleness=1, constrained_logprobs="vocab").algo.constrained_logprobs == "restricted"
+
+
+def test_signal_counts_read_the_same_on_both_sides():
+    from benchmarks.agentic_vs_trl import rollart_signal, trl_signal
+
+    rows = [{"reward/zero_variance_groups": 2.0, "train/no_signal": 1.0},
+            {"reward/zero_variance_groups": 1.0, "train/grad_norm": 0.3},
+            {"reward/zero_variance_groups": 0.0, "train/grad_norm": 0.0}]
+    assert rollart_signal(rows) == {"uniform_groups": 3, "updates_without_gradient": 2}
+    # TRL: the share of a step's groups with zero reward std, and its logged grad_norm
+    logs = {"frac_reward_zero_std": [1.0, 0.5, 0.0], "grad_norm": [0.0, 0.3, 0.1]}
+    assert trl_signal(logs, 2) == {"uniform_groups": 3, "updates_without_gradient": 1}
+    assert trl_signal({}, 2) == {"uniform_groups": 0, "updates_without_gradient": 0}
