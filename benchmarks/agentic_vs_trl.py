@@ -100,10 +100,11 @@ CONSTRAINED_NOTE = (
     "--constrained: both sides sample each turn from the answer tokens only (`<`, `answer`, "
     "`>`, `</`, the digits, end of turn: the task's `constrained: true` as a token bag, vLLM's "
     "`allowed_token_ids`; on TRL's side a logits processor on its `generate`), and so does the "
-    "held-out evaluation. The losses differ in one respect: rollart's trainer takes each "
-    "token's log-probability under the restriction it was sampled under (softmax over the "
-    "bag), TRL's GRPOTrainer over the whole vocabulary (it has no hook for a restriction); "
-    "on-policy with one optimizer step per batch, both ratios start at 1.")
+    "held-out evaluation. TRL's GRPOTrainer takes each token's log-probability over the whole "
+    "vocabulary (it has no hook for a restriction); rollart's trainer does the same with "
+    "--logprobs vocab (algo.constrained_logprobs, the default here), or under the bag the "
+    "token was sampled from with --logprobs restricted (its own default); on-policy with one "
+    "optimizer step per batch, both ratios start at 1.")
 
 
 def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: int,
