@@ -24,10 +24,12 @@ before training and after each run. Accounting, the same on both sides (`Tally` 
 trajectories: rollart's stored shards, TRL's rollout_func): model tokens = generated tokens,
 env steps = turns played; rates are over each run's whole wall time, start-up included.
 
-    make peer && .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --constrained
-                                                                # -> results/agentic_vs_trl.json
+    make peer && .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 \\
+        --seeds 0,1,2,3 --constrained                          # -> results/agentic_vs_trl.json
+    .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --constrained \\
+        --logprobs restricted --out results/agentic_vs_trl_restricted.json  # rollart's own loss
     .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --lr 5e-6 \\
-        --out results/agentic_vs_trl_lr5e-6.json                # the same at lr 5e-6
+        --logprobs restricted --out results/agentic_vs_trl_lr5e-6.json  # ... at lr 5e-6
     .venv/bin/python benchmarks/agentic_vs_trl.py --group-size 4 \\
         --out results/agentic_vs_trl_free.json                   # free sampling (lr 2e-5)
     .venv/bin/python benchmarks/agentic_vs_trl.py --steps 2 --groups 1 --group-size 2 \\

@@ -381,7 +381,7 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Against TRL GRPOTrainer (arithmetic)", "python benchmarks/vs_trl.py --variants "
      "sync-vllm,async-vllm --rounds 2", "vs_trl.json", _vs_trl),
     ("Against TRL GRPOTrainer (multi-turn guess game)", "python benchmarks/agentic_vs_trl.py "
-     "--group-size 4 --constrained", "agentic_vs_trl.json", _agentic_vs_trl),
+     "--group-size 4 --seeds 0,1,2,3 --constrained", "agentic_vs_trl.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
