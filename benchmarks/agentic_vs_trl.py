@@ -116,7 +116,7 @@ def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: 
     """Every matched setting pinned, whatever the config file says (another engineer owns it).
     `staleness` > 0 or a bf16 engine departs from TRL's on-policy fp32 sampling: rollart then
     corrects the sampling/training mismatch with truncated importance sampling (`tis`)."""
-    exact = staleness == 0 and engine_dtype == "float32"
+    exact = on_policy_fp32(staleness, engine_dtype)
     task = guess_task(m).model_dump()
     algo = {"advantage": "grpo", "normalize_std": True, "std_eps": m.std_eps,
             "loss": "ppo_clip", "clip_low": m.clip, "clip_high": m.clip, "dual_clip": None,
@@ -142,6 +142,11 @@ def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: 
             "reward.function=env_outcome", "eval.episodes=0", "eval.before_training=false",
             f"storage.root={root}", f"storage.save_every={m.steps}", "storage.keep_last=1",
             f"engine.vllm.kv_cache_mb={kv_cache_mb}", f"engine.vllm.dtype={engine_dtype}"]
+
+
+def on_policy_fp32(staleness: int, engine_dtype: str) -> bool:
+    """rollart samples as TRL does (no staleness, float32 engine): no behaviour correction."""
+    return staleness == 0 and engine_dtype == "float32"
 
 
 def train_seeds(overrides: list[str], steps: int) -> list[list[int]]:
@@ -416,7 +421,10 @@ def main() -> None:
            "host": {**host, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
            "model": "SmolLM2-135M-Instruct (float32)", "settings": m.to_json(),
            "run_seeds": seeds, "rollart_engine": a.engine,
-           "rollart_constrained_logprobs": a.logprobs if m.constrained else None,
+           # what rollart's loss took: restricted whenever tis corrects the sampling
+           "rollart_constrained_logprobs": (
+               (a.logprobs if on_policy_fp32(a.staleness, a.engine_dtype) else "restricted")
+               if m.constrained else None),
            "rollart_config": str(CONFIG.relative_to(ROOT)),
            "held_out_seeds": held, "base_success": base["success_rate"], "base": base,
            **summarise(runs, base["success_rate"], seeds), "mechanism": mech,
