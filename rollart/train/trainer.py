@@ -44,6 +44,11 @@ from rollart.types import Trajectory
 __all__ = ["Batch", "Trainer", "collate"]
 
 
+# Metrics that are sums over rows (a row left out adds exactly 0): weighted over the whole
+# batch, where the others (ratios, clip fractions) are means over the rows trained.
+_LOSS_METRICS = frozenset({"train/loss", "train/pg_loss"})
+
+
 def micro_weight(loss_mask: Tensor, n_tok: float, n_seq: float, loss_agg: str) -> float:
     """A micro-batch's share of the whole batch's loss (`loss_mask` [b, T-1] its rows): its
     model tokens over the batch's for a token mean, else its sequences (with a model token)
@@ -141,9 +146,14 @@ class Trainer:
             return {"train/skipped": 1.0}
         if self._no_signal(trajs):  # before collating: nothing of the batch is needed
             return self._momentum_step(trajs, t0)
+        # The normalisers are the whole batch's, rows left out below included. Counted on
+        # collate's shifted mask (position 0 is never a target).
+        n_seq = float(sum(1 for x in trajs if any(x.loss_mask[1:])))
+        n_tok = float(sum(sum(x.loss_mask[1:]) for x in trajs))
+        rows = self._signal_rows(trajs)
         # Under "vocab" the loss ignores the sampling restriction: no per-position table.
         vocab = self._vocab_size() if self.algo.constrained_logprobs == "restricted" else None
-        batch = collate(trajs, self.pad_id, vocab, self.token_texts)
+        batch = collate(rows, self.pad_id, vocab, self.token_texts)
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         algo = self.algo
@@ -155,8 +165,8 @@ class Trainer:
         start = ([p.detach().clone() for p in self.policy.parameters()]
                  if self.cfg.max_kl > 0 else None)
         sums: dict[str, Tensor] = {}
-        n_seq = float((batch.loss_mask.sum(1) > 0).sum())
-        n_tok = float(batch.loss_mask.sum())
+        # Metrics other than the loss are means over the rows trained.
+        m_seq, m_tok = float(len(batch)), float(batch.loss_mask.sum())
         prox_parts: list[Tensor] = []  # [b_i, T-1] per micro-batch, from the first epoch
         skipped = 0  # epochs whose loss or gradient was nan/inf: never applied
         for epoch in range(self.cfg.epochs):
@@ -180,11 +190,15 @@ class Trainer:
                 # Weight micro-batches so the sum (over micro-batches and ranks) equals the
                 # full-batch aggregate; a rank's padding micro-batch weighs 0.
                 w = micro_weight(mb.loss_mask, n_tok, n_seq, algo.loss_agg) if real else 0.0
+                w_rows = (micro_weight(mb.loss_mask, m_tok, m_seq, algo.loss_agg)
+                          if real else 0.0)
                 # x world: FSDP averages the ranks' gradients, the loss wants their sum.
                 (loss * (w * self.ranks.world)).backward()
                 for k, v in m.items():
+                    # The loss of a left-out row is exactly 0: the batch's loss sums as is.
+                    share = w if k in _LOSS_METRICS else w_rows
                     sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64)) + (
-                        v * w / self.cfg.epochs)
+                        v * share / self.cfg.epochs)
             grad_norm = full(torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
                                                             self.cfg.grad_clip))
             if not torch.isfinite(grad_norm):  # a nan/inf loss gives a nan norm too
@@ -211,8 +225,9 @@ class Trainer:
             metrics.update(self._kl_guard(batch, plan, prox_all, start))
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/nonfinite_skipped"] = float(skipped)
-        metrics["train/sequences"] = float(len(batch))
+        metrics["train/sequences"] = n_seq
         metrics["train/tokens"] = n_tok
+        metrics["train/rows_left_out"] = n_seq - len(batch)
         metrics["train/update_s"] = dt = time.perf_counter() - t0
         # every real (non-pad) token goes through the forward passes, model tokens or not
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) / max(dt, 1e-9)
@@ -220,16 +235,25 @@ class Trainer:
         self.step += 1
         return metrics
 
-    def _no_signal(self, trajs: list[Trajectory]) -> bool:
-        """Every advantage is 0 and the loss has no other term (no KL, no entropy bonus, no
-        trust-region guard): the clipped surrogate and its gradient are then exactly 0, so
-        the forward and backward passes can be left out (a group whose episodes all scored
-        alike has zero advantages: a batch of such groups carries no signal). Sharded ranks
-        always run their passes."""
+    def _surrogate_only(self) -> bool:
+        """The loss is the clipped surrogate alone (no KL, no entropy bonus, no trust-region
+        guard): a row whose advantage is 0 then has a loss and a gradient of exactly 0, so
+        its forward and backward passes can be left out (a group whose episodes all scored
+        alike has zero advantages). Sharded ranks always run every row."""
         algo = self.algo
         return (algo.loss == "ppo_clip" and algo.kl_coef == 0 and algo.entropy_coef == 0
                 and self.ref_model is None and self.cfg.max_kl == 0
-                and not self.ranks.sharded and not any(x.advantage for x in trajs))
+                and not self.ranks.sharded)
+
+    def _no_signal(self, trajs: list[Trajectory]) -> bool:
+        """No row carries signal: the whole batch's passes can be left out."""
+        return self._surrogate_only() and not any(x.advantage for x in trajs)
+
+    def _signal_rows(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """The rows the passes must run: those with a non-zero advantage when a zero one
+        contributes nothing (`_surrogate_only`), else all. The caller keeps the whole
+        batch's normalisers, so the gradient is the one of the whole batch."""
+        return [x for x in trajs if x.advantage] if self._surrogate_only() else trajs
 
     def _momentum_step(self, trajs: list[Trajectory], t0: float) -> dict[str, float]:
         """The update of a batch without signal: its gradient is exactly 0, but AdamW still

@@ -130,6 +130,7 @@ def test_batch_without_signal_skips_its_passes_and_lands_where_they_would(policy
                      pad_id=tok.pad_token_id)
         if not skip:
             tr._no_signal = lambda trajs: False  # type: ignore[method-assign]
+            tr._signal_rows = lambda trajs: trajs  # type: ignore[method-assign]
         for t, a in zip(trajs, signal, strict=True):
             t.advantage = a
         first = tr.update(trajs)  # moments now non-zero
@@ -159,6 +160,58 @@ def test_batch_without_signal_skips_its_passes_and_lands_where_they_would(policy
     tr = Trainer(build_tiny_model(TinyModelConfig(), tok, seed=3), AlgoConfig(entropy_coef=0.01),
                  TrainConfig(lr=1e-2), pad_id=tok.pad_token_id)
     assert "train/no_signal" not in tr.update(trajs)
+
+
+@pytest.mark.parametrize("loss_agg", ["seq_mean_token_mean", "token_mean"])
+def test_rows_without_signal_are_left_out_of_the_passes_and_the_gradient_stays(policy,
+                                                                                 loss_agg):
+    """A mixed batch: group g0 scored alike (advantages 0), g1 and g2 did not, and one member
+    of g2 has advantage 0. Those three rows add exactly 0 to the loss and its gradient, so the
+    passes run on the other three, with the whole batch's normalisers: in float64 the
+    gradient and loss match the update over all six rows to rounding (~1e-16 relative per
+    operation), and the model never sees the left-out rows."""
+    model, tok = policy
+    trajs = run_episodes(_specs(6), HFEngine(model, tok, seed=0).generate, ChatFormat(tok),
+                         SamplingParams(max_new_tokens=6))
+    for t, a in zip(trajs, [0.0, 0.0, 1.0, -1.0, 0.75, 0.0], strict=True):
+        t.advantage = a
+
+    def updated(left_out: bool):
+        m = build_tiny_model(TinyModelConfig(), tok, seed=3).double()
+        tr = Trainer(m, AlgoConfig(entropy_coef=0.0, off_policy="none", loss_agg=loss_agg),
+                     TrainConfig(lr=1e-2, epochs=1, grad_clip=1e9), pad_id=tok.pad_token_id)
+        if not left_out:
+            tr._signal_rows = lambda rows: rows  # type: ignore[method-assign]
+        rows_seen: list[int] = []
+        # Every row the passes run goes through the decoder (once, or as its shared prefix's
+        # [groups, L] and then [rows, T - L]).
+        hook = m.base_model.register_forward_hook(lambda mod, args, kw, out: rows_seen.append(
+            kw["input_ids"].shape[0] if "input_ids" in kw else args[0].shape[0]),
+            with_kwargs=True)
+        metrics = tr.update(trajs)
+        hook.remove()
+        return tr, metrics, rows_seen
+
+    fast, m_fast, seen_fast = updated(left_out=True)
+    slow, m_slow, seen_slow = updated(left_out=False)
+    assert m_fast["train/rows_left_out"] == 3.0 and m_slow["train/rows_left_out"] == 0.0
+    for k in ("train/sequences", "train/tokens"):
+        assert m_fast[k] == m_slow[k]
+    # By hand: one epoch, so every ratio is exactly 1 and a row's token loss is -A (the
+    # advantages are exact in float32, as collate stores them); the
+    # normalisers count all six rows (n_i model tokens each).
+    adv = [t.advantage for t in trajs]
+    n = [sum(t.loss_mask[1:]) for t in trajs]
+    want = (-sum(adv) / 6 if loss_agg == "seq_mean_token_mean"
+            else -sum(a * k for a, k in zip(adv, n, strict=True)) / sum(n))
+    assert m_fast["train/loss"] == pytest.approx(want, rel=1e-12)
+    assert m_fast["train/loss"] == pytest.approx(m_slow["train/loss"], rel=1e-12)
+    assert m_fast["train/ratio_mean"] == pytest.approx(1.0)
+    scale = max(float(p.grad.abs().max()) for p in slow.model.parameters())
+    assert scale > 0
+    for pf, ps in zip(fast.model.parameters(), slow.model.parameters(), strict=True):
+        torch.testing.assert_close(pf.grad, ps.grad, rtol=0, atol=1e-12 * scale)
+    assert max(seen_fast) == 3 and max(seen_slow) == 6
 
 
 def test_vocab_logprobs_train_a_constrained_batch_as_if_it_were_sampled_freely(policy):
