@@ -166,7 +166,8 @@ class Trainer:
                  if self.cfg.max_kl > 0 else None)
         sums: dict[str, Tensor] = {}
         # Metrics other than the loss are means over the rows trained.
-        m_seq, m_tok = float(len(batch)), float(batch.loss_mask.sum())
+        m_seq = float((batch.loss_mask.sum(1) > 0).sum())
+        m_tok = float(batch.loss_mask.sum())
         prox_parts: list[Tensor] = []  # [b_i, T-1] per micro-batch, from the first epoch
         skipped = 0  # epochs whose loss or gradient was nan/inf: never applied
         for epoch in range(self.cfg.epochs):
@@ -227,7 +228,7 @@ class Trainer:
         metrics["train/nonfinite_skipped"] = float(skipped)
         metrics["train/sequences"] = n_seq
         metrics["train/tokens"] = n_tok
-        metrics["train/rows_left_out"] = n_seq - len(batch)
+        metrics["train/rows_left_out"] = float(len(trajs) - len(rows))
         metrics["train/update_s"] = dt = time.perf_counter() - t0
         # every real (non-pad) token goes through the forward passes, model tokens or not
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) / max(dt, 1e-9)
