@@ -3,7 +3,7 @@ each, meet over gloo and run the trainer's update on the same batch (tests and
 `benchmarks/sharded_trainer.py` use it).
 
     python -m rollart.train.rank_check --world 2 --out DIR [--model tiny|DIR] [--updates 3]
-        [--store ROOT --save-at K | --store ROOT --resume-from K]
+        [--store ROOT --save-at K | --store ROOT --resume-from K] [--uniform-groups N]
 
 Every rank builds the same model (same seed) and the same batch: rows of varying length, two
 generated turns each, GRPO-style groups that share a prompt, behaviour log-probs from the start
@@ -62,12 +62,15 @@ def load_model(spec: str, seed: int, skeleton: bool = False) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
 
 
-def make_batch(vocab: int, rows: int, seed: int, max_len: int) -> list[Trajectory]:
+def make_batch(vocab: int, rows: int, seed: int, max_len: int,
+               uniform_groups: int = 0) -> list[Trajectory]:
     """`rows` conversations in groups of 4 sharing a prompt: prompt, a generated turn, an
-    observation, a generated turn; lengths vary so shares are uneven in rows and tokens.
+    observation, a generated turn; lengths vary so shares are uneven in rows and tokens. The
+    last `uniform_groups` groups scored alike: advantage 0 (rows the trainer leaves out).
     Behaviour log-probs come later (`add_behaviour`)."""
     g = torch.Generator().manual_seed(seed)
     out: list[Trajectory] = []
+    first_uniform = (rows + 3) // 4 - uniform_groups
     for i in range(rows):
         grp = i // 4
         gp = torch.Generator().manual_seed(seed * 1000 + grp)
@@ -81,6 +84,8 @@ def make_batch(vocab: int, rows: int, seed: int, max_len: int) -> list[Trajector
             seed=i, iteration=0, token_ids=toks, loss_mask=mask,
             behaviour_logprobs=[0.0] * len(toks), token_versions=[0 if m else -1 for m in mask],
             advantage=float(torch.randn((), generator=g))))
+        if grp >= first_uniform:  # drawn anyway: the other rows stay as without it
+            out[-1].advantage = 0.0
     return out
 
 
@@ -142,7 +147,8 @@ def save(trainer: Trainer, root: str, step: int) -> None:
 
 def run_rank(rank: int, world: int, port: int, out: Path, model_spec: str, updates: int,
              rows: int, lr: float, micro: int, max_len: int, seed: int, store: str = "",
-             save_at: int = 0, resume_from: int = 0, mixed_precision: int = 0) -> None:
+             save_at: int = 0, resume_from: int = 0, mixed_precision: int = 0,
+             uniform_groups: int = 0) -> None:
     torch.set_num_threads(1)
     ranks = Ranks(rank, world)
     if world > 1:
@@ -150,7 +156,7 @@ def run_rank(rank: int, world: int, port: int, out: Path, model_spec: str, updat
     skeleton = world > 1 and model_spec != "tiny"  # no rank loads the whole model
     model = load_model(model_spec, seed, skeleton)
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    batch = make_batch(vocab, rows, seed + 1, max_len)
+    batch = make_batch(vocab, rows, seed + 1, max_len, uniform_groups)
     algo = AlgoConfig(advantage="grpo", loss="ppo_clip", off_policy="tis", entropy_coef=0.0,
                       kl_coef=0.0, loss_agg="seq_mean_token_mean")
     train = TrainConfig(lr=lr, epochs=1, micro_batch_size=micro, grad_clip=1.0, threads=1,
@@ -219,10 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--resume-from", type=int, default=0)
     ap.add_argument("--mixed-precision", type=int, default=0, help="1: bf16 compute (CUDA)")
+    ap.add_argument("--uniform-groups", type=int, default=0,
+                    help="groups of 4 rows with advantage 0 (left out of the passes)")
     a = ap.parse_args(argv)
     kw = dict(updates=a.updates, rows=a.rows, lr=a.lr, micro=a.micro, max_len=a.max_len,
               seed=a.seed, store=a.store, save_at=a.save_at, resume_from=a.resume_from,
-              mixed_precision=a.mixed_precision)
+              mixed_precision=a.mixed_precision, uniform_groups=a.uniform_groups)
     if a.rank is not None:
         run_rank(a.rank, a.world, a.port, a.out, model_spec=a.model, **kw)
     else:

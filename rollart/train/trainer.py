@@ -240,21 +240,26 @@ class Trainer:
         """The loss is the clipped surrogate alone (no KL, no entropy bonus, no trust-region
         guard): a row whose advantage is 0 then has a loss and a gradient of exactly 0, so
         its forward and backward passes can be left out (a group whose episodes all scored
-        alike has zero advantages). Sharded ranks always run every row."""
+        alike has zero advantages)."""
         algo = self.algo
         return (algo.loss == "ppo_clip" and algo.kl_coef == 0 and algo.entropy_coef == 0
-                and self.ref_model is None and self.cfg.max_kl == 0
-                and not self.ranks.sharded)
+                and self.ref_model is None and self.cfg.max_kl == 0)
 
     def _no_signal(self, trajs: list[Trajectory]) -> bool:
-        """No row carries signal: the whole batch's passes can be left out."""
-        return self._surrogate_only() and not any(x.advantage for x in trajs)
+        """No row carries signal: the whole batch's passes can be left out. Not sharded: a
+        sharded batch without signal runs its passes (a gradient of 0) and steps as usual."""
+        return (self._surrogate_only() and not self.ranks.sharded
+                and not any(x.advantage for x in trajs))
 
     def _signal_rows(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """The rows the passes must run: those with a non-zero advantage when a zero one
-        contributes nothing (`_surrogate_only`), else all. The caller keeps the whole
-        batch's normalisers, so the gradient is the one of the whole batch."""
-        return [x for x in trajs if x.advantage] if self._surrogate_only() else trajs
+        contributes nothing (`_surrogate_only`), else all (all, too, when none has signal).
+        The caller keeps the whole batch's normalisers, so the gradient is the one of the
+        whole batch. Every rank has the whole batch and picks the same rows, so sharded
+        ranks still share them alike (`_micro_plan`)."""
+        if not self._surrogate_only():
+            return trajs
+        return [x for x in trajs if x.advantage] or trajs
 
     def _momentum_step(self, trajs: list[Trajectory], t0: float) -> dict[str, float]:
         """The update of a batch without signal: its gradient is exactly 0, but AdamW still

@@ -53,12 +53,13 @@ def test_micro_weights_normalise_over_the_whole_batch():
 @pytest.fixture(scope="module")
 def one_and_two_ranks(tmp_path_factory):
     """The same 3 updates (a tiny Llama saved as a model directory, 12 rows of 2 generated
-    turns, lr 1e-3) on 1 rank (this process; the model loaded whole) and on 2 ranks (two
-    processes; each builds the model without weights and reads only its shards)."""
+    turns in 3 groups, the last with advantage 0, lr 1e-3) on 1 rank (this process; the
+    model loaded whole) and on 2 ranks (two processes; each builds the model without weights
+    and reads only its shards)."""
     out = tmp_path_factory.mktemp("ranks")
     model_dir = out / "tiny-hf"
     tiny_model(0).save_pretrained(model_dir, safe_serialization=True)
-    kw = dict(updates=3, rows=12, lr=1e-3, micro=4, max_len=60, seed=0)
+    kw = dict(updates=3, rows=12, lr=1e-3, micro=4, max_len=60, seed=0, uniform_groups=1)
     (out / "w1").mkdir()
     threads = torch.get_num_threads()
     try:
@@ -84,7 +85,10 @@ def test_two_rank_update_equals_the_one_rank_update(one_and_two_ranks):
     (sqrt(v_hat) + eps), and |m_hat / sqrt(v_hat)| <= 1.003 for the first 3 steps (Cauchy-
     Schwarz over the bias-corrected averages, beta1 0.9, beta2 0.999); so two runs differ by
     at most 2 * 1.003 * lr per element per step: 3 steps at lr 1e-3 -> 6.02e-3. The loss
-    and the pre-clip gradient norm are sums of ~100 float32 terms: 1e-4 relative."""
+    and the pre-clip gradient norm are sums of ~100 float32 terms: 1e-4 relative.
+
+    Both leave the 4 rows without signal out of their passes (`train/rows_left_out`): the
+    ranks pick the same rows and share them, and the normalisers stay the whole batch's."""
     out, kw = one_and_two_ranks
     a, b = _params(out / "w1"), _params(out / "w2")
     assert a.keys() == b.keys()
@@ -96,6 +100,7 @@ def test_two_rank_update_equals_the_one_rank_update(one_and_two_ranks):
         for key in ("train/loss", "train/grad_norm", "train/logprob_mismatch",
                     "train/is_ratio_mean", "train/tokens", "train/sequences"):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+        assert one["train/rows_left_out"] == two["train/rows_left_out"] == 4
 
 
 def test_each_rank_holds_about_half_the_state(one_and_two_ranks):
