@@ -112,7 +112,8 @@ CONSTRAINED_NOTE = (
 def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: int,
                       engine: str, kv_cache_mb: int = 1024, staleness: int = 0,
                       engine_dtype: str = "float32",
-                      constrained_logprobs: str = "restricted") -> list[str]:
+                      constrained_logprobs: str = "restricted",
+                      resample_uniform: int = 0) -> list[str]:
     """Every matched setting pinned, whatever the config file says (another engineer owns it).
     `staleness` > 0 or a bf16 engine departs from TRL's on-policy fp32 sampling: rollart then
     corrects the sampling/training mismatch with truncated importance sampling (`tis`)."""
@@ -135,7 +136,8 @@ def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: 
             f"engine.max_batch_size={m.max_batch_size}", f"engine.threads={threads}",
             f"tasks={json.dumps([task])}", f"rollout.num_groups={m.groups}",
             f"rollout.group_size={m.group_size}", f"rollout.max_staleness={staleness}",
-            "rollout.redundancy=0", f"algo={json.dumps(algo)}", f"train.lr={m.lr}",
+            "rollout.redundancy=0", f"rollout.resample_uniform={resample_uniform}",
+            f"algo={json.dumps(algo)}", f"train.lr={m.lr}",
             "train.epochs=1", f"train.micro_batch_size={m.groups * m.group_size}",
             f"train.grad_clip={m.grad_clip}", "train.weight_decay=0.0", "train.max_kl=0.0",
             f"train.threads={threads}", "train.world_size=1", "reward.backend=local",
@@ -212,8 +214,10 @@ def run_trl(m: Match, model_dir: str, data: Path, work: Path, seed: int, threads
             "model": str(save), **trl_signal(res, m.groups)}
 
 
-def read_shards(run_dir: Path) -> tuple[Tally, list[list[int]]]:
-    """(counts over the run's stored trajectories, each step's group seeds in group order)."""
+def read_shards(run_dir: Path) -> tuple[Tally, list[dict[int, int]]]:
+    """(counts over the run's stored (trained) trajectories, each step's {group index: seed}:
+    index g < num_groups is the plan's slot g, g + k * num_groups its k-th replacement under
+    `rollout.resample_uniform`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -224,9 +228,19 @@ def read_shards(run_dir: Path) -> tuple[Tally, list[list[int]]]:
     seeds: dict[int, dict[str, int]] = {}
     for t in trajs:
         seeds.setdefault(t.iteration, {})[t.group_id] = t.seed
-    order = [[by[g] for g in sorted(by, key=lambda g: int(g.rsplit("g", 1)[1]))]
+    order = [{int(g.rsplit("/g", 1)[1]): seed for g, seed in by.items()}
              for _, by in sorted(seeds.items())]
     return Tally().add(trajs), order
+
+
+def plays_plan(played: list[dict[int, int]], planned: list[list[int]]) -> bool:
+    """Every step filled every planned slot, and a slot's planned group, where it was trained
+    (not replaced), had the planned seed."""
+    n = len(planned[0]) if planned else 0
+    return len(played) == len(planned) and all(
+        sorted(g % n for g in step) == list(range(n))
+        and all(seed == plan[g] for g, seed in step.items() if g < n)
+        for step, plan in zip(played, planned, strict=True))
 
 
 def run_rollart(m: Match, overrides: list[str], work: Path, seed: int) -> dict:
@@ -244,14 +258,23 @@ def run_rollart(m: Match, overrides: list[str], work: Path, seed: int) -> dict:
     run_dir = work / "artifacts/runs" / run_id
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("iteration", 0) >= 0 and "perf/iteration_s" in r]
-    tally, played = read_shards(run_dir)
+    trained, played = read_shards(run_dir)
+    # Episodes set aside (rollout.resample_uniform) were generated and played, never trained:
+    # the rates count them as TRL's count every episode it generated.
+    last = rows[-1] if rows else {}
+    aside = int(last.get("rollout/groups_resampled", 0)) * m.group_size
+    tally = Tally(trained.episodes + aside,
+                  trained.env_steps + int(last.get("rollout/resampled_env_steps", 0)),
+                  trained.model_tokens + int(last.get("rollout/resampled_model_tokens", 0)),
+                  trained.successes)
     return {"framework": "rollart", "seed": seed, "wall_s": wall, "run_id": run_id,
             "step_s": [r["perf/iteration_s"] for r in rows],
             "rollout_s": [r.get("perf/rollout_s") for r in rows],
             "training_s": [r.get("perf/update_s") for r in rows],
             "sync_s": [r.get("perf/sync_s") for r in rows],
             "checkpoint_s": [r.get("perf/checkpoint_s", 0.0) for r in rows],
-            "tally": vars(tally), "tally_from_metrics": vars(tally_rows(rows)),
+            "tally": vars(tally), "tally_trained": vars(trained),
+            "tally_from_metrics": vars(tally_rows(rows)), "groups_resampled": aside // m.group_size,
             "reward": [r.get("reward/mean") for r in rows],
             "success_rate": [r.get("rollout/success_rate") for r in rows],
             "seeds_played": played, "command": cmd, "run_dir": str(run_dir),
@@ -280,6 +303,24 @@ def final_state(run_dir: str) -> dict[str, torch.Tensor]:
     if not ckpts:
         sys.exit(f"no checkpoint under {run_dir}/checkpoints")
     return safetensors.torch.load(ckpts[-1].read_bytes())
+
+
+def earlier_trl_runs(files: str, m: Match, held: list[int], seeds: list[int],
+                     runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add to `runs` the TRL runs of `seeds` from earlier results files of the same settings
+    and held-out set (TRL's runs are deterministic: the same seed gave the same tokens and
+    held-out success on two hosts); returns where each came from (its host and commit)."""
+    out = []
+    for name in [f for f in files.split(",") if f]:
+        d = json.loads(Path(name).read_text())
+        if d["settings"] != m.to_json() or d["held_out_seeds"] != held:
+            sys.exit(f"{name}: other settings or held-out seeds than this run's")
+        got = [r for r in d["runs"] if r["framework"] == "trl" and r["seed"] in seeds
+               and not any(x["framework"] == "trl" and x["seed"] == r["seed"] for x in runs)]
+        runs += [{**r, "from_file": name} for r in got]
+        out.append({"file": name, "seeds": [r["seed"] for r in got],
+                    **{k: d["host"].get(k) for k in ("commit", "date", "boot_id", "cpu")}})
+    return out
 
 
 def host_facts() -> dict[str, Any]:
@@ -357,6 +398,12 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=0, help="rollart's rollout.max_staleness")
     ap.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="rollart's vLLM weights (the trainer stays float32)")
+    ap.add_argument("--resample-uniform", type=int, default=0,
+                    help="rollart's rollout.resample_uniform (dynamic sampling; TRL has none)")
+    ap.add_argument("--trl-from", default="",
+                    help="comma-separated results files whose TRL runs stand for this run's "
+                         "(same settings; TRL's runs are deterministic): with --frameworks "
+                         "rollart, the ratios compare against them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results/agentic_vs_trl.json"))
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -394,7 +441,7 @@ def main() -> None:
         for i, seed in enumerate(seeds):
             overrides = rollart_overrides(m, seed, model_dir, work / "artifacts", a.threads,
                                           a.engine, a.kv_cache_mb, a.staleness,
-                                          a.engine_dtype, a.logprobs)
+                                          a.engine_dtype, a.logprobs, a.resample_uniform)
             planned = train_seeds(overrides, m.steps)
             data = work / f"data-{seed}.json"
             data.write_text(json.dumps({"match": m.to_json(), "train_seeds": planned}))
@@ -406,7 +453,8 @@ def main() -> None:
                 else:
                     res = run_rollart(m, overrides, work, seed)
                     model = load_model(model_dir, final_state(res["run_dir"]))
-                res["seeds_match_plan"] = res["seeds_played"] == planned
+                res["seeds_match_plan"] = (plays_plan(res["seeds_played"], planned)
+                                           if fw == "rollart" else res["seeds_played"] == planned)
                 res["held_out"] = evaluate(model, tok, m, held)
                 runs.append(res)
                 print(f"seed {seed} {fw}: {statistics.median(res['step_s']):.1f} s/step, "
@@ -416,6 +464,7 @@ def main() -> None:
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
+    trl_from = earlier_trl_runs(a.trl_from, m, held, seeds, runs)
     mech = json.loads(probe.read_text()) if probe.exists() else None
     out = {"benchmark": "agentic_vs_trl", "command": " ".join([sys.executable, *sys.argv]),
            "host": {**host, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
@@ -428,6 +477,7 @@ def main() -> None:
            "rollart_config": str(CONFIG.relative_to(ROOT)),
            "held_out_seeds": held, "base_success": base["success_rate"], "base": base,
            **summarise(runs, base["success_rate"], seeds), "mechanism": mech,
+           "resample_uniform": a.resample_uniform, "trl_runs_from": trl_from,
            "notes": NOTES + ([CONSTRAINED_NOTE] if m.constrained else []),
            "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,11 @@ class RolloutConfig(_Strict):
     cancelled."""
     max_retries: int = Field(2, ge=0)
     """Re-issues of a failed or timed-out episode per group member before the group is dropped."""
+    resample_uniform: int = Field(0, ge=0, le=16)
+    """Dynamic sampling: a complete group whose episodes all scored alike (zero GRPO advantage, so
+    no gradient) is set aside and a fresh group (new seed) started in its batch slot, up to this
+    many times per slot; the last try is kept whatever it scored. 0 keeps every group. Costs
+    rollout time; set-aside episodes are counted (`rollout/groups_resampled`) and never trained."""
     max_consecutive_failures: int = Field(64, ge=0)
     """This many failed episodes in a row (no episode finishing in between) end the run with the
     last errors: a broken env or engine fails fast instead of retrying forever. 0 disables."""

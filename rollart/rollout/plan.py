@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from rollart.config import RunConfig, TaskConfig
 from rollart.rollout.env_manager import EpisodeSpec
-from rollart.rollout.ids import eval_id, group_id, sample_id
+from rollart.rollout.ids import eval_id, group_id, parse_group_id, sample_id
 from rollart.rollout.scheduler import split_by_share
 
 
@@ -69,5 +69,20 @@ def plan_namer(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
         cfg_task, quota = tasks[task]
         iteration, g = divmod(n, quota)
         return group_id(task, iteration, g), group_seed(cfg, cfg_task, iteration, g)
+
+    return name
+
+
+def plan_resampler(cfg: RunConfig) -> Callable[[str, int], tuple[str, int]]:
+    """(first group id of a batch slot, try k >= 1) -> (id, seed) of the slot's k-th
+    replacement (`rollout.resample_uniform`): group index g + k * num_groups of the same task
+    and iteration, past every planned index, so ids stay unique, parseable and the same in
+    every run of the config (and across rollout shards, which name the plan's own slots)."""
+    tasks = {t.name: t for t in cfg.tasks}
+
+    def name(first: str, k: int) -> tuple[str, int]:
+        task, iteration, g = parse_group_id(first)
+        index = g + k * cfg.rollout.num_groups
+        return group_id(task, iteration, index), group_seed(cfg, tasks[task], iteration, index)
 
     return name

@@ -14,12 +14,16 @@ version u + 1. With 1, the next batch keeps running while update u trains.
 
 Groups launch `group_size + redundancy` episodes and keep the first `group_size` to finish; the
 rest are cancelled. A failed episode is re-issued (same group, same seed) up to `max_retries`
-times; a group that can no longer reach `group_size` finishers is dropped. The same object drives
-the real rollout service and the simulator.
+times; a group that can no longer reach `group_size` finishers is dropped. With
+`resample_uniform` > 0, a complete group whose episodes all scored alike (zero GRPO advantage: no
+gradient) is set aside and a fresh group (new id, new seed) takes its slot in the batch, up to
+that many times per slot (dynamic sampling, as DAPO's); the last try is kept whatever it scored.
+The same object drives the real rollout service and the simulator.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +63,9 @@ class GroupState:
     finished: list[str] = field(default_factory=list)  # in finishing order, at most group_size
     failures: int = 0
     launched: int = 0
+    redo: int = 0  # groups of this batch slot set aside before this one (all scored alike)
+    first_id: str = ""  # the id of the slot's first group (set on a replacement)
+    rewards: list[float | None] = field(default_factory=list)  # of `finished`, in step
 
     def complete(self, size: int) -> bool:
         return len(self.finished) >= size
@@ -82,6 +89,8 @@ class SchedulerConfig:
     # Groups per batch of each task for this scheduler, when it runs one shard of the batch
     # (rollart/rollout/shards.py); None: split `batch_groups` by `task_shares`.
     quota: tuple[tuple[str, int], ...] | None = None
+    # A complete group whose episodes all scored alike is replaced this many times at most.
+    resample_uniform: int = _ROLLOUT["resample_uniform"]
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig, task_shares: tuple[tuple[str, float], ...],
@@ -92,17 +101,27 @@ class SchedulerConfig:
                    max_staleness=rollout.max_staleness, redundancy=rollout.redundancy,
                    max_retries=rollout.max_retries, max_updates=max_updates,
                    max_consecutive_failures=rollout.max_consecutive_failures,
-                   task_shares=task_shares, quota=quota)
+                   task_shares=task_shares, quota=quota,
+                   resample_uniform=rollout.resample_uniform)
 
 
 # (task, group index within the task) -> (group id, seed); the rollout service maps them onto
 # the iteration plan so that group and sample ids are the planned ones (rollart/rollout/plan.py).
 GroupNamer = Callable[[str, int], tuple[str, int]]
+# (group id of a batch slot's first group, try k >= 1) -> (id, seed) of its k-th replacement
+# (rollart/rollout/plan.py: `plan_resampler`).
+Resampler = Callable[[str, int], tuple[str, int]]
+
+
+def _default_resample(gid: str, redo: int) -> tuple[str, int]:
+    """No plan (simulator, unit tests): a suffix on the id, a seed from the id."""
+    return f"{gid}.r{redo}", zlib.crc32(f"{gid}.r{redo}".encode())
 
 
 class RolloutScheduler:
     def __init__(self, cfg: SchedulerConfig, version: int = 0,
-                 group_of: GroupNamer | None = None, first_iteration: int = 0) -> None:
+                 group_of: GroupNamer | None = None, first_iteration: int = 0,
+                 resample_of: Resampler | None = None) -> None:
         self.cfg = cfg
         self.version = version  # latest policy version the engines serve
         self.next_update = version  # the update the next `take_batch` feeds
@@ -127,6 +146,8 @@ class RolloutScheduler:
         self._task_counts: Counter[str] = Counter(
             {t: first_iteration * q for t, q in self.quota.items()})
         self._namer = group_of
+        self._resample_of = resample_of or _default_resample
+        self._pending: list[Start] = []  # members of replacement groups, for the next `fill`
         self.consecutive_failures = 0  # failed episodes since the last one that finished
 
     @property
@@ -153,6 +174,7 @@ class RolloutScheduler:
         out: list[Start] = []
         if self.halted:
             return out
+        out, self._pending = self._pending, []  # replacements hold their slots already
         usable = self._usable_batches()
         started = 0
         for task, quota in self.quota.items():
@@ -184,7 +206,10 @@ class RolloutScheduler:
         return Start(eid, g.group_id, g.task, g.seed, g.start_version, g.iteration)
 
     # ---- episode events ------------------------------------------------------------------
-    def on_finished(self, episode_id: str) -> list[Cancel]:
+    def on_finished(self, episode_id: str, reward: float | None = None) -> list[Cancel]:
+        """`episode_id` ended with `reward` (None: not known yet, never a reason to resample).
+        A group it completes whose rewards are all equal may be replaced (`resample_uniform`):
+        its members go to `discarded` as "uniform", and the replacement's to the next `fill`."""
         g = self._group_of(episode_id)
         if g is None or episode_id not in g.running:
             self.counters["late_results"] += 1  # cancelled or dropped earlier: ignore
@@ -194,16 +219,40 @@ class RolloutScheduler:
         if g.complete(self.cfg.group_size):
             return []
         g.finished.append(episode_id)
+        g.rewards.append(reward)
         self.counters["episodes_finished"] += 1
         if not g.complete(self.cfg.group_size):
             return []
-        self.complete.append(g.group_id)
         self._open[g.start_version] -= 1
+        if self._uniform(g) and g.redo < self.cfg.resample_uniform:
+            return self._resample(g)  # its redundant members are cancelled as "uniform"
+        self.complete.append(g.group_id)
         cancels = [Cancel(e, "redundant") for e in sorted(g.running)]
         self.counters["cancelled_redundant"] += len(cancels)
         for e in cancels:
             g.running.discard(e.episode_id)
             self.episode_group.pop(e.episode_id, None)  # a late result is ignored either way
+        return cancels
+
+    @staticmethod
+    def _uniform(g: GroupState) -> bool:
+        """Every reward known and equal: the group's GRPO advantages are all 0."""
+        return None not in g.rewards and len(set(g.rewards)) == 1
+
+    def _resample(self, g: GroupState) -> list[Cancel]:
+        """Set complete group `g` aside (its episodes to `discarded`, "uniform") and start the
+        next try of its batch slot under the current version: same task and iteration, a
+        new id and seed. The replacement is added at once, so `fill` starts no other group in
+        its place."""
+        cancels = self._drop(g, "uniform")
+        first = g.group_id if g.redo == 0 else g.first_id
+        gid, seed = self._resample_of(first, g.redo + 1)
+        new = GroupState(gid, g.task, seed, self.version, g.iteration, redo=g.redo + 1,
+                         first_id=first)
+        self._add(new)
+        self._pending += [self._launch(new)
+                          for _ in range(self.cfg.group_size + self.cfg.redundancy)]
+        self.counters["groups_resampled"] += 1
         return cancels
 
     def on_failed(self, episode_id: str, timeout: bool = False, worker_lost: bool = False
@@ -315,7 +364,9 @@ class RolloutScheduler:
         return {"groups": [{"group_id": g.group_id, "task": g.task, "seed": g.seed,
                             "start_version": g.start_version, "iteration": g.iteration,
                             "launched": g.launched, "failures": g.failures,
-                            "finished": list(g.finished), "running": sorted(g.running)}
+                            "finished": list(g.finished), "running": sorted(g.running),
+                            "redo": g.redo, "first_id": g.first_id,
+                            "rewards": list(g.rewards)}
                            for g in self.groups.values()],
                 "complete": list(self.complete),
                 "task_counts": dict(self._task_counts), "next_group": self._next_group}
@@ -328,7 +379,10 @@ class RolloutScheduler:
         for d in state["groups"]:
             g = GroupState(d["group_id"], d["task"], int(d["seed"]), int(d["start_version"]),
                            int(d["iteration"]), finished=list(d["finished"]),
-                           failures=int(d["failures"]), launched=int(d["launched"]))
+                           failures=int(d["failures"]), launched=int(d["launched"]),
+                           redo=int(d.get("redo", 0)), first_id=str(d.get("first_id", "")),
+                           # older snapshots: rewards unknown, so never resampled
+                           rewards=list(d.get("rewards", [None] * len(d["finished"]))))
             old = self.groups.get(g.group_id)
             if old is not None:
                 self._remove(old)

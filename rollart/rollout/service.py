@@ -39,7 +39,7 @@ from rollart.rollout.aio_runner import AsyncRunner
 from rollart.rollout.batcher import EngineBatcher, LiveEpisode, call
 from rollart.rollout.failover import EngineHealth
 from rollart.rollout.pacing import StartPacer
-from rollart.rollout.plan import plan_namer
+from rollart.rollout.plan import plan_namer, plan_resampler
 from rollart.rollout.scheduler import Cancel, RolloutScheduler, SchedulerConfig, Start
 from rollart.rollout.service_failures import ReplicaFailures, RolloutBroken
 from rollart.rollout.service_metrics import service_metrics
@@ -84,7 +84,8 @@ class RolloutService(ReplicaFailures):
                 r, task_shares=tuple((t.name, t.share) for t in cfg.tasks),
                 max_updates=cfg.iterations, quota=quota),
             version=version, first_iteration=version,
-            group_of=shard_namer(cfg, namer, *shard) if shard[1] > 1 else namer)
+            group_of=shard_namer(cfg, namer, *shard) if shard[1] > 1 else namer,
+            resample_of=plan_resampler(cfg))
         lockstep = r.batching == "lockstep"
         # asyncio: episodes are tasks on one event loop thread (rollart/rollout/aio_runner.py)
         self.runner = AsyncRunner(self) if r.runner == "asyncio" else None
@@ -340,9 +341,12 @@ class RolloutService(ReplicaFailures):
                 return
             self.done[live.id] = traj
             self.done_stats[live.id] = traj_stats(traj)
-            self._cancel(self.sched.on_finished(live.id))
+            self._cancel(self.sched.on_finished(live.id, traj.reward))
+            if self.sched.discarded:  # it completed a group set aside (resample_uniform)
+                self._record_discarded()
             group = self.sched.groups.get(live.start.group_id)
-            if group is None or live.id not in group.finished:  # its group went away meanwhile
+            if live.id in self.done and (group is None or live.id not in group.finished):
+                # its group went away meanwhile
                 self.done.pop(live.id)
                 self.done_stats.pop(live.id)
                 self._drop(live.start, "late")
@@ -385,8 +389,11 @@ class RolloutService(ReplicaFailures):
     def _record_discarded(self) -> None:
         for eid, reason in self.sched.discarded:
             traj = self.done.pop(eid, None)
-            self.done_stats.pop(eid, None)
+            stats = self.done_stats.pop(eid, None)
             self._launched.pop(eid, None)
+            if reason == "uniform" and stats is not None:  # generated, never trained
+                self.totals.counters["resampled_model_tokens"] += stats.model_tokens
+                self.totals.counters["resampled_env_steps"] += stats.turns
             self.totals.drops.append((eid, traj.iteration if traj else -1, reason))
         self.sched.discarded.clear()
 

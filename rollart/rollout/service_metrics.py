@@ -20,7 +20,8 @@ def service_metrics(svc: Any, trajs: list[Trajectory], stats: list[TrajStats] | 
     for key in ("timeouts", "retried", "cancelled_redundant", "cancelled_stale",
                 "cancelled_group_dropped", "groups_dropped_failures", "dropped_stale_groups",
                 "hosts_lost", "late_results", "engine_errors", "turns_reissued",
-                "engines_replaced"):
+                "engines_replaced", "groups_resampled", "resampled_model_tokens",
+                "resampled_env_steps"):
         m[f"rollout/{key}"] = float(c[key])
     # A failed episode is re-issued, never batched, so the batch itself holds none: per batch
     # is the failures since the previous batch; the run's count is `failed_total`.

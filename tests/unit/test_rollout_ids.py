@@ -13,7 +13,13 @@ from rollart.rollout.ids import (
     parse_sample_id,
     sample_id,
 )
-from rollart.rollout.plan import plan_eval, plan_iteration, plan_namer
+from rollart.rollout.plan import (
+    group_seed,
+    plan_eval,
+    plan_iteration,
+    plan_namer,
+    plan_resampler,
+)
 from rollart.rollout.scheduler import RolloutScheduler, SchedulerConfig
 
 
@@ -78,3 +84,19 @@ def test_eval_spreads_over_every_task_by_share():
     assert eval_counts(1, [1.0, 1.0]) == [1, 0]  # fewer episodes than tasks: by share
     assert sum(eval_counts(7, [5.0, 0.01, 0.01, 2.0])) == 7
     assert min(eval_counts(7, [5.0, 0.01, 0.01, 2.0])) == 1
+
+
+def test_resampled_groups_get_fresh_parseable_ids_and_seeds():
+    """A batch slot's replacements (rollout.resample_uniform) take indices past every planned
+    group of any task, so ids never collide, and their seeds are the plan's at that index."""
+    two = ("tasks=[{name: a, env_id: FrozenLake-v1, share: 1}, "
+           "{name: b, env_id: FrozenLake-v1, share: 1}]")
+    cfg = load_config(None, [two, "rollout.num_groups=4"])
+    planned = {s.group_id for it in range(3) for s in plan_iteration(cfg, it)}
+    name = plan_resampler(cfg)
+    redo = {name(gid, k) for gid in planned for k in (1, 2)}
+    assert len({g for g, _ in redo}) == 2 * len(planned)
+    assert not {g for g, _ in redo} & planned
+    gid, seed = name("b/i2/g1", 2)
+    assert gid == "b/i2/g9" and parse_group_id(gid) == ("b", 2, 9)
+    assert seed == group_seed(cfg, cfg.tasks[1], 2, 9)

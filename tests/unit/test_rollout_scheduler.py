@@ -208,3 +208,69 @@ def test_scheduler_and_simulator_take_the_rollout_defaults_from_the_config():
     s = SchedulerConfig.from_rollout(cfg.rollout, task_shares=(("t", 1.0),), max_updates=3)
     assert (s.group_size, s.batch_groups, s.redundancy, s.max_consecutive_failures,
             s.max_updates) == (cfg.rollout.group_size, cfg.rollout.num_groups, 1, 7, 3)
+
+
+def _score_group(s: RolloutScheduler, starts: list[Start], gid: str,
+                 rewards: list[float | None]) -> list[Cancel]:
+    out: list[Cancel] = []
+    for st, r in zip([x for x in starts if x.group_id == gid], rewards, strict=False):
+        out += s.on_finished(st.episode_id, r)
+    return out
+
+
+def test_resample_uniform_replaces_a_group_that_scored_alike_up_to_its_budget():
+    s = RolloutScheduler(
+        SchedulerConfig(group_size=2, batch_groups=2, resample_uniform=2, redundancy=1),
+        resample_of=lambda first, k: (f"{first}+{k}", 100 * k))
+    starts = s.fill()  # g0, g1: three members each (redundancy 1)
+    # g1 scores 0 and 1: it has signal, so it is kept (and its redundant member cancelled).
+    assert _score_group(s, starts, "g1", [0.0, 1.0]) == [Cancel("g1/m2", "redundant")]
+    # g0 scores 1 and 1: set aside, its third member cancelled, a fresh try of its slot
+    # started under the current version, with a new id and seed; no other group starts.
+    cancels = _score_group(s, starts, "g0", [1.0, 1.0])
+    assert cancels == [Cancel("g0/m2", "uniform")]
+    assert s.discarded == [("g0/m0", "uniform"), ("g0/m1", "uniform")]
+    assert s.take_batch(0) is None  # the slot is open again
+    again = s.fill()
+    assert [(x.group_id, x.seed, x.version) for x in again] == [("g0+1", 100, 0)] * 3
+    assert s.fill() == []
+    # Second try scores alike too: replaced again, named from the slot's first id.
+    _score_group(s, again, "g0+1", [0.0, 0.0])
+    third = s.fill()
+    assert {x.group_id for x in third} == {"g0+2"} and third[0].seed == 200
+    # The budget (2) is spent: the third try is kept even though it scored alike.
+    _score_group(s, third, "g0+2", [0.5, 0.5])
+    assert s.fill() == []
+    batch = s.take_batch(0)
+    assert batch is not None and sorted(batch) == ["g0+2", "g1"]
+    assert s.counters["groups_resampled"] == 2
+    assert s.counters["groups_consumed"] == 2
+
+
+def test_resample_uniform_never_on_unknown_rewards_and_off_by_default():
+    s = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1, resample_uniform=3))
+    starts = s.fill()
+    _score_group(s, starts, "g0", [None, None])  # rewards not known: kept
+    assert list(s.take_batch(0)) == ["g0"]
+    off = RolloutScheduler(SchedulerConfig(group_size=2, batch_groups=1))
+    starts = off.fill()
+    _score_group(off, starts, "g0", [1.0, 1.0])
+    assert list(off.take_batch(0)) == ["g0"] and off.counters["groups_resampled"] == 0
+
+
+def test_resample_state_survives_export_and_import():
+    import json
+
+    cfg = SchedulerConfig(group_size=2, batch_groups=1, resample_uniform=1)
+    s = RolloutScheduler(cfg)
+    starts = s.fill()
+    _score_group(s, starts, "g0", [1.0, 1.0])
+    retry = s.fill()
+    s.on_finished(retry[0].episode_id, 1.0)  # one member of the replacement finished
+    state = json.loads(json.dumps(s.export_state()))
+    fresh = RolloutScheduler(cfg)
+    relaunch = fresh.import_state(state)
+    assert [x.group_id for x in relaunch] == ["g0.r1"]
+    # The replacement's budget is spent (redo 1 of 1): scoring alike again keeps it.
+    fresh.on_finished(relaunch[0].episode_id, 1.0)
+    assert list(fresh.take_batch(0)) == ["g0.r1"]

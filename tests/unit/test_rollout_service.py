@@ -154,3 +154,37 @@ def test_an_env_that_always_fails_ends_the_run_with_its_error(policy, runner):
         stats = svc.stop()
     assert "InjectedFault: injected env step error" in str(err.value)  # the cause, not just a count
     assert stats["counters"]["failed"] >= 8
+
+
+def test_groups_that_scored_alike_are_replaced_and_accounted(policy, runner):
+    """rollout.resample_uniform: a group whose episodes all scored alike (the untrained policy
+    mostly fails FrozenLake) is set aside and its slot tried again with a new id and seed, up
+    to twice; every batch still holds num_groups groups, a kept group has signal unless it is
+    its slot's last try, and each set-aside episode is a "uniform" drop, never trained."""
+    svc = _service(policy, "tasks=[{name: lake, env_id: FrozenLake-v1, max_turns: 3}]",
+                   f"rollout.runner={runner}", "rollout.resample_uniform=2")
+    svc.start()
+    consumed, uniform = [], []
+    try:
+        for update in range(2):
+            trajs, info = svc.take_batch(update, timeout=120)
+            for e in svc.batchers:
+                e.engine.weight_version = update + 1
+            svc.set_version(update + 1)
+            by_group: dict[str, list[float]] = {}
+            for t in trajs:
+                by_group.setdefault(t.group_id, []).append(t.reward)
+            assert len(by_group) == 4 and all(len(r) == 3 for r in by_group.values())
+            for gid, rewards in by_group.items():
+                slot_try = int(gid.rsplit("/g", 1)[1]) // 4  # 0: planned, k: k-th replacement
+                assert len(set(rewards)) > 1 or slot_try == 2, (gid, rewards)
+            consumed += [t.sample_id for t in trajs]
+            uniform += [d[0] for d in info["dropped"] if d[2] == "uniform"]
+            m = info["metrics"]
+    finally:
+        stats = svc.stop()
+    c = stats["counters"]
+    assert c["groups_resampled"] >= 1 and m["rollout/groups_resampled"] == c["groups_resampled"]
+    assert len(uniform) == 3 * c["groups_resampled"] and not set(uniform) & set(consumed)
+    assert m["rollout/resampled_model_tokens"] > 0
+    assert m["rollout/resampled_env_steps"] >= len(uniform)  # a turn at least each
