@@ -182,7 +182,7 @@ def _run(fw: str, seed: int, wall: float, tokens: int, steps: int, success: floa
 
 
 def test_summary_ratios_and_gains():
-    from benchmarks.agentic_vs_trl import summarise
+    from benchmarks.agentic_results import summarise
 
     runs = [_run("trl", 0, 100.0, 1000, 100, 0.25), _run("rollart", 0, 50.0, 1000, 50, 0.5),
             _run("trl", 1, 100.0, 1000, 100, 0.25), _run("rollart", 1, 150.0, 3000, 150, 0.25)]
@@ -257,7 +257,7 @@ def test_rollart_overrides_correct_off_policy_sampling_only_when_it_departs_from
 
 
 def test_signal_counts_read_the_same_on_both_sides():
-    from benchmarks.agentic_vs_trl import rollart_signal, trl_signal
+    from benchmarks.agentic_results import rollart_signal, trl_signal
 
     rows = [{"reward/zero_variance_groups": 2.0, "train/no_signal": 1.0},
             {"reward/zero_variance_groups": 1.0, "train/grad_norm": 0.3},
@@ -267,3 +267,93 @@ def test_signal_counts_read_the_same_on_both_sides():
     logs = {"frac_reward_zero_std": [1.0, 0.5, 0.0], "grad_norm": [0.0, 0.3, 0.1]}
     assert trl_signal(logs, 2) == {"uniform_groups": 3, "updates_without_gradient": 1}
     assert trl_signal({}, 2) == {"uniform_groups": 0, "updates_without_gradient": 0}
+
+
+def test_a_run_plays_the_plan_when_replacements_fill_the_slots_they_took():
+    """Under rollout.resample_uniform a slot's group may be a replacement (index g + k * n):
+    the run still plays the plan if every slot is filled once and every planned group it
+    trained has its planned seed."""
+    from benchmarks.agentic_results import plays_plan
+
+    planned = [[11, 12], [21, 22]]
+    assert plays_plan([{0: 11, 1: 12}, {0: 21, 1: 22}], planned)
+    assert plays_plan([{0: 11, 3: 99}, {2: 98, 5: 97}], planned)  # replaced slots
+    assert not plays_plan([{0: 11, 1: 13}, {0: 21, 1: 22}], planned)  # another seed
+    assert not plays_plan([{0: 11, 2: 99}, {0: 21, 1: 22}], planned)  # slot 0 twice, 1 empty
+    assert not plays_plan([{0: 11, 1: 12}], planned)  # a step missing
+
+
+def test_earlier_trl_runs_need_the_same_settings_and_held_out_set(tmp_path):
+    import json
+
+    from benchmarks.agentic_results import earlier_trl_runs
+
+    m = Match(steps=3, groups=2, group_size=4)
+    host = {"commit": "abc", "date": "d", "boot_id": "b", "cpu": "c"}
+    runs = [{"framework": "trl", "seed": s} for s in (0, 1, 2)] + [{"framework": "rollart",
+                                                                     "seed": 0}]
+    f = tmp_path / "earlier.json"
+    f.write_text(json.dumps({"settings": m.to_json(), "held_out_seeds": [5, 6], "host": host,
+                             "runs": runs}))
+    mine = [{"framework": "rollart", "seed": 1}, {"framework": "trl", "seed": 2}]
+    got = earlier_trl_runs(str(f), m, [5, 6], [0, 1, 2], mine)
+    # seed 2's TRL run of this invocation stands; 0 and 1 come from the file, rollart's never
+    assert [(r["framework"], r["seed"], r.get("from_file")) for r in mine] == [
+        ("rollart", 1, None), ("trl", 2, None), ("trl", 0, str(f)), ("trl", 1, str(f))]
+    assert got == [{"file": str(f), "seeds": [0, 1], **host}]
+    with pytest.raises(SystemExit, match="other settings"):
+        earlier_trl_runs(str(f), Match(steps=4, groups=2, group_size=4), [5, 6], [0], [])
+    with pytest.raises(SystemExit, match="other settings"):
+        earlier_trl_runs(str(f), m, [5, 7], [0], [])
+
+
+def test_pooled_summary_over_files_by_hand(tmp_path):
+    """Seeds run in separate invocations pool into one summary: each side's gains and rates
+    over all its runs, the sample sd of its per-seed gains, and the standard error of the
+    difference of the means, sqrt(sd_r^2 / n + sd_t^2 / n); a file of other settings is
+    refused."""
+    import json
+
+    from benchmarks.agentic_results import pooled
+
+    m = Match(steps=3).to_json()
+
+    def write(name, runs, settings=m):
+        f = tmp_path / name
+        f.write_text(json.dumps({"settings": settings, "held_out_seeds": [1], "runs": runs,
+                                 "base_success": 0.25}))
+        return str(f)
+
+    a = write("a.json", [_run("trl", 0, 100.0, 1000, 100, 0.5),
+                         _run("rollart", 0, 50.0, 1000, 50, 0.25)])
+    b = write("b.json", [_run("trl", 1, 100.0, 1000, 100, 0.75),
+                         _run("rollart", 1, 50.0, 1000, 50, 0.75),
+                         _run("trl", 0, 1.0, 1, 1, 1.0)])  # seed 0 again: a's run stands
+    out = pooled([a, b])
+    assert out["seeds"] == [0, 1]
+    assert out["rollart_success_gain_per_seed"] == {"0": 0.0, "1": 0.5}
+    assert out["trl_success_gain_per_seed"] == {"0": 0.25, "1": 0.5}
+    # sds: rollart sqrt(((0-.25)^2 + (.5-.25)^2) / 1) = 0.35355; TRL 0.17678
+    assert out["rollart_success_gain_sd"] == pytest.approx(0.5 ** 0.5 / 2)
+    assert out["trl_success_gain_sd"] == pytest.approx(0.125 ** 0.5 / 2)
+    assert out["success_gain_diff_se"] == pytest.approx(((0.125 + 0.03125) / 2) ** 0.5)
+    assert out["tokens_per_s_ratio"] == pytest.approx(2.0)  # 2000 / 100 s vs 2000 / 200 s
+    with pytest.raises(SystemExit, match="other settings"):
+        pooled([a, write("c.json", [], {**m, "steps": 4})])
+
+
+def test_rates_count_set_aside_episodes_and_trained_ones_apart():
+    """Under rollout.resample_uniform rollart plays episodes it never trains: the rates count
+    every episode played (`tally`, as TRL's count all it generated), and `trained_*` ratios
+    only the trained ones."""
+    from benchmarks.agentic_results import summarise
+
+    r = _run("rollart", 0, 100.0, 3000, 300, 0.5)
+    r["tally_trained"] = {"model_tokens": 1000, "env_steps": 100}
+    out = summarise([_run("trl", 0, 100.0, 1000, 100, 0.25), r], 0.25, [0])
+    assert out["tokens_per_s_ratio"] == pytest.approx(3.0)
+    assert out["trained_tokens_per_s_ratio"] == pytest.approx(1.0)
+    assert out["trained_env_steps_per_s_ratio"] == pytest.approx(1.0)
+    plain = summarise([_run("trl", 0, 100.0, 1000, 100, 0.25),
+                       _run("rollart", 0, 50.0, 1000, 50, 0.5)], 0.25, [0])
+    assert "trained_tokens_per_s_ratio" not in plain
