@@ -29,6 +29,7 @@ def read_shards(run_dir: Path) -> tuple[Tally, list[dict[int, int]]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from rollart.rollout.ids import parse_group_id
     from rollart.types import table_to_trajectories
 
     files = sorted((run_dir / "trajectories").glob("*/*.parquet"))
@@ -36,7 +37,7 @@ def read_shards(run_dir: Path) -> tuple[Tally, list[dict[int, int]]]:
     seeds: dict[int, dict[str, int]] = {}
     for t in trajs:
         seeds.setdefault(t.iteration, {})[t.group_id] = t.seed
-    order = [{int(g.rsplit("/g", 1)[1]): seed for g, seed in by.items()}
+    order = [{parse_group_id(g)[2]: seed for g, seed in by.items()}
              for _, by in sorted(seeds.items())]
     return Tally().add(trajs), order
 

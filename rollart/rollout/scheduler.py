@@ -245,7 +245,7 @@ class RolloutScheduler:
         new id and seed. The replacement is added at once, so `fill` starts no other group in
         its place."""
         cancels = self._drop(g, "uniform")
-        first = g.group_id if g.redo == 0 else g.first_id
+        first = g.first_id or g.group_id
         gid, seed = self._resample_of(first, g.redo + 1)
         new = GroupState(gid, g.task, seed, self.version, g.iteration, redo=g.redo + 1,
                          first_id=first)

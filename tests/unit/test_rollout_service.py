@@ -15,6 +15,7 @@ from rollart.models.tokenizer import build_tokenizer
 from rollart.rewards.client import LocalRewardClient
 from rollart.rollout.env_host import EnvHost
 from rollart.rollout.env_manager import constrained_params
+from rollart.rollout.ids import parse_group_id
 from rollart.rollout.service import RolloutService
 from rollart.types import SamplingParams
 
@@ -50,6 +51,15 @@ def _service(policy, *overrides: str, host_chat: ChatFormat | None = None) -> Ro
                           LocalRewardClient(), params)
 
 
+def _take_and_advance(svc: RolloutService, update: int, timeout: float) -> tuple[list, dict]:
+    """Batch `update`; then the weights "change": the engines serve update + 1."""
+    trajs, info = svc.take_batch(update, timeout=timeout)
+    for e in svc.batchers:
+        e.engine.weight_version = update + 1
+    svc.set_version(update + 1)
+    return trajs, info
+
+
 def test_an_env_host_that_tokenizes_changes_where_the_work_runs_not_one_id(policy, runner):
     """EnvHost(tasks, chat) sends the prompt ids of what its envs say (production hosts do:
     EnvHostService), so the rollout service tokenizes nothing itself; the trajectories are
@@ -83,11 +93,7 @@ def test_batches_respect_the_bound_and_every_episode_is_accounted_once(policy, r
     consumed, dropped, failed_per_batch = [], [], []
     try:
         for update in range(4):
-            trajs, info = svc.take_batch(update, timeout=60)
-            # Weights "change": the engines would now serve update + 1.
-            for e in svc.batchers:
-                e.engine.weight_version = update + 1
-            svc.set_version(update + 1)
+            trajs, info = _take_and_advance(svc, update, timeout=60)
             assert len(trajs) == 4 * 3 and all(t.reward is not None for t in trajs)
             for t in trajs:
                 versions = {x for x in t.token_versions if x >= 0}
@@ -167,16 +173,13 @@ def test_groups_that_scored_alike_are_replaced_and_accounted(policy, runner):
     consumed, uniform = [], []
     try:
         for update in range(2):
-            trajs, info = svc.take_batch(update, timeout=120)
-            for e in svc.batchers:
-                e.engine.weight_version = update + 1
-            svc.set_version(update + 1)
+            trajs, info = _take_and_advance(svc, update, timeout=120)
             by_group: dict[str, list[float]] = {}
             for t in trajs:
                 by_group.setdefault(t.group_id, []).append(t.reward)
             assert len(by_group) == 4 and all(len(r) == 3 for r in by_group.values())
             for gid, rewards in by_group.items():
-                slot_try = int(gid.rsplit("/g", 1)[1]) // 4  # 0: planned, k: k-th replacement
+                slot_try = parse_group_id(gid)[2] // 4  # 0: planned, k: k-th replacement
                 assert len(set(rewards)) > 1 or slot_try == 2, (gid, rewards)
             consumed += [t.sample_id for t in trajs]
             uniform += [d[0] for d in info["dropped"] if d[2] == "uniform"]
