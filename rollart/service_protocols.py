@@ -195,6 +195,15 @@ class ReplacesEngines(Protocol):
     def engine_ref(self, engine: Any) -> Any: ...
 
 
+@runtime_checkable
+class BuildsAhead(Protocol):
+    """A service factory that can start building the engines before the trainer is built
+    (`rollart/runner/dask_services.py`): the driver calls `begin` first, so their start-ups
+    overlap. `isinstance` checks the method is there."""
+
+    def begin(self) -> None: ...
+
+
 if TYPE_CHECKING:  # the real classes conform: mypy checks these assignments
     from rollart.rollout.service import RolloutService
     from rollart.rollout.shards import ShardedRollout

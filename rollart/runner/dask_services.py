@@ -4,7 +4,8 @@
     trainer        one actor on the `trainer` class; with `train.world_size` N > 1, N actors
                    (ranks) on N workers of that class behind a TrainerGroup
     engines        one replica per entry of `cluster.engine_pools` (default: `engine.replicas`
-                   on the `engine` class), each on its class
+                   on the `engine` class), each on its class; submitted before the trainer
+                   is built (`begin`), so their start-ups overlap
     env hosts      one actor per worker of the `env` class: losing one costs only its episodes
     rollout        the rollout service, on the first env worker; with `rollout.shards` n,
                    n actors spread over the env workers behind a ShardedRollout
@@ -66,6 +67,7 @@ class DaskServices:
         self.rollouts = 0  # rollout services built: a replacement (a rebuild) gets a new key
         self.building: dict[int, tuple[Any, str]] = {}  # replica index -> (actor future, worker)
         self.trainer_workers: list[str] = []  # a sharded trainer's ranks' workers, by rank
+        self.ahead: list[Any] = []  # engine actor futures submitted by `begin`, by replica
 
     def restart(self) -> None:
         """Before the services are created again (a lost trainer or rollout service): fresh
@@ -73,6 +75,7 @@ class DaskServices:
         old ranks are restarted first: a rank whose peer was lost sits in a collective until
         train.dist_timeout_s, holding its worker's actor thread and its process group."""
         self.attempt += 1
+        self._drop_ahead()
         if self.trainer_workers:
             present = set(worker_classes(self.client).get(self.roles["trainer"], []))
             old = [w for w in self.trainer_workers if w in present]
@@ -100,6 +103,27 @@ class DaskServices:
             self.classes = check_classes(self.client, self.run.cfg)
         self.engine_addr.clear()
         self.building.clear()
+
+    def begin(self) -> None:
+        """Submit the engines' creation before the trainer's, so that the two load at once
+        (each on its own worker process: a model, and for vLLM its import and start-up) and
+        the run's start-up costs the longer of the two, not their sum. Only where no worker
+        carries both the trainer's class and an engine's: one process building both would
+        build them side by side on the same device; there `engines` builds them after the
+        trainer, as before."""
+        cfg = self.run.cfg
+        trainer_workers = set(self.classes.get(self.roles["trainer"], []))
+        engine_workers = {w for hw in set(cfg.cluster.engine_classes(cfg.engine.replicas))
+                          for w in self.classes.get(hw, [])}
+        if trainer_workers & engine_workers:
+            return
+        self._drop_ahead()
+        self.ahead = self._submit_engines()
+
+    def _drop_ahead(self) -> None:
+        for fut in self.ahead:  # an earlier attempt's: its keys are not this attempt's
+            fut.release()
+        self.ahead = []
 
     def _actor(self, cls: type, *args: Any, **where: Any) -> Any:
         """An actor of `cls` (typed by the caller: a service's Protocol)."""
@@ -144,12 +168,20 @@ class DaskServices:
         self.placed("trainer_service", group.where())
         return group
 
-    def engines(self) -> list[EngineAPI]:
+    def _submit_engines(self) -> list[Any]:
+        """One actor future per engine replica, on its class."""
         cfg, run_id = self.run.cfg, self.run.run_id
+        return [self.client.submit(EngineService, self.run, r, actor=True, resources={hw: 1},
+                                   key=f"engine-{run_id}-{self.attempt}-{r}")
+                for r, hw in enumerate(cfg.cluster.engine_classes(cfg.engine.replicas))]
+
+    def engines(self) -> list[EngineAPI]:
+        """The engine replicas: those `begin` submitted, else submitted now; all of them
+        before the first is waited for, so replicas on different workers build at once."""
+        futures, self.ahead = self.ahead or self._submit_engines(), []
         out = []
-        for r, hw in enumerate(cfg.cluster.engine_classes(cfg.engine.replicas)):
-            actor: EngineAPI = self._actor(EngineService, r, resources={hw: 1},
-                                           key=f"engine-{run_id}-{self.attempt}-{r}")
+        for r, fut in enumerate(futures):
+            actor: EngineAPI = fut.result()
             self.engine_addr[r] = self.placed("engine_service", call(actor).where())["address"]
             out.append(actor)
         return out

@@ -8,7 +8,8 @@ Both ways of running consume it, so tests and benchmarks exercise the loop that 
 They differ only in a `StageRunner` (where a stage runs) and a `ServiceFactory` (where the
 long-lived services live).
 
-    start:  prepare -> trainer, engines, env hosts -> [restore checkpoint] -> sync weights
+    start:  prepare -> trainer and engines (building at once on a cluster), env hosts
+            -> [restore checkpoint] -> sync weights
             -> rollout service (keeps episodes running across iterations)
     iteration it (step = it + 1, the policy version the update produces):
             collect(it) -> score -> update -> sync_weights(step)
@@ -31,7 +32,13 @@ from rollart.runner import stages
 from rollart.runner.metric_sinks import make_sinks
 from rollart.runner.recovery import EngineSupervisor, rebuild_rollout
 from rollart.runner.spans import SPAN, busy_seconds, info_of
-from rollart.service_protocols import EngineAPI, ReplacesEngines, RolloutAPI, TrainerAPI
+from rollart.service_protocols import (
+    BuildsAhead,
+    EngineAPI,
+    ReplacesEngines,
+    RolloutAPI,
+    TrainerAPI,
+)
 from rollart.storage.run_files import sign_run_files
 
 # The hardware-class role (a key of `cluster.stages`) each stage runs on.
@@ -195,6 +202,8 @@ class IterationDriver:
         self.placed("prepare", info(self.runner.submit("prepare", self.run)))
         sign_run_files(self.store)  # config + tokenizer, here where the owner's key is
         f = self.factory
+        if isinstance(f, BuildsAhead):  # the engines build while the trainer does
+            f.begin()
         trainer, engines, hosts = f.trainer(), list(f.engines()), f.env_hosts()
         first = 0
         if resume_step is not None:  # trainer state, ledger, engine RNG; weights synced below
