@@ -95,6 +95,7 @@ def main() -> None:
     checkouts = {"baseline": a.baseline.resolve(), "this": ROOT}
     runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
     host = host_facts()
+    commits = {v: commit_of(p) for v, p in checkouts.items()}  # before the runs: what ran
     with tempfile.TemporaryDirectory(prefix="rollart-startup-") as tmp:
         timed_train(ROOT, a.config, a.sets, f"startup-warmup-{int(time.time())}",
                     Path(tmp) / "warmup")  # starts the Prefect server for the rest
@@ -110,7 +111,7 @@ def main() -> None:
     host["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     result = {"benchmark": "startup", "command": " ".join(sys.argv), "host": host,
               "config": a.config, "sets": a.sets, "rounds": a.rounds,
-              "checkouts": {v: commit_of(p) for v, p in checkouts.items()},
+              "checkouts": commits,
               **summarise(runs), "runs": runs,
               "note": "absolute seconds are examples from one host (this machine kind varies "
                       "~2x); the checkouts ran alternately in one invocation"}
