@@ -105,20 +105,26 @@ class DaskServices:
         self.building.clear()
 
     def begin(self) -> None:
-        """Submit the engines' creation before the trainer's, so that the two load at once
+        """Submit the engines' creation before the trainer's, so that they load at once
         (each on its own worker process: a model, and for vLLM its import and start-up) and
-        the run's start-up costs the longer of the two, not their sum. Only where no worker
-        carries both the trainer's class and an engine's: one process building both would
-        build them side by side on the same device; there `engines` builds them after the
-        trainer, as before."""
+        the run's start-up costs the longest of them, not their sum. Only where each build
+        has a process to itself (`_separate`); elsewhere `engines` builds them after the
+        trainer, one after another, as before."""
+        if self._separate():
+            self._drop_ahead()
+            self.ahead = self._submit_engines()
+
+    def _separate(self) -> bool:
+        """No worker carries two of the classes the trainer and the engines are built on, so
+        no process (and its device) would build two services side by side."""
         cfg = self.run.cfg
-        trainer_workers = set(self.classes.get(self.roles["trainer"], []))
-        engine_workers = {w for hw in set(cfg.cluster.engine_classes(cfg.engine.replicas))
-                          for w in self.classes.get(hw, [])}
-        if trainer_workers & engine_workers:
-            return
-        self._drop_ahead()
-        self.ahead = self._submit_engines()
+        seen: set[str] = set()
+        for hw in {self.roles["trainer"], *cfg.cluster.engine_classes(cfg.engine.replicas)}:
+            workers = set(self.classes.get(hw, []))
+            if workers & seen:
+                return False
+            seen |= workers
+        return True
 
     def _drop_ahead(self) -> None:
         for fut in self.ahead:  # an earlier attempt's: its keys are not this attempt's
@@ -170,18 +176,22 @@ class DaskServices:
 
     def _submit_engines(self) -> list[Any]:
         """One actor future per engine replica, on its class."""
-        cfg, run_id = self.run.cfg, self.run.run_id
-        return [self.client.submit(EngineService, self.run, r, actor=True, resources={hw: 1},
-                                   key=f"engine-{run_id}-{self.attempt}-{r}")
+        cfg = self.run.cfg
+        return [self._submit_engine(r, hw)
                 for r, hw in enumerate(cfg.cluster.engine_classes(cfg.engine.replicas))]
 
+    def _submit_engine(self, replica: int, hw: str) -> Any:
+        return self.client.submit(EngineService, self.run, replica, actor=True,
+                                  resources={hw: 1},
+                                  key=f"engine-{self.run.run_id}-{self.attempt}-{replica}")
+
     def engines(self) -> list[EngineAPI]:
-        """The engine replicas: those `begin` submitted, else submitted now; all of them
-        before the first is waited for, so replicas on different workers build at once."""
-        futures, self.ahead = self.ahead or self._submit_engines(), []
+        """The engine replicas: those `begin` submitted, else built now, one after another."""
+        cfg = self.run.cfg
+        ahead, self.ahead = self.ahead, []
         out = []
-        for r, fut in enumerate(futures):
-            actor: EngineAPI = fut.result()
+        for r, hw in enumerate(cfg.cluster.engine_classes(cfg.engine.replicas)):
+            actor: EngineAPI = (ahead[r] if ahead else self._submit_engine(r, hw)).result()
             self.engine_addr[r] = self.placed("engine_service", call(actor).where())["address"]
             out.append(actor)
         return out
