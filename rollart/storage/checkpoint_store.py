@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rollart.storage.blob import Blob
 from rollart.storage.integrity import (
     MANIFEST,
     CheckpointRefused,
@@ -48,7 +49,7 @@ class CheckpointStore:
 
     run_id: str
 
-    def save_checkpoint(self, step: int, files: dict[str, bytes], meta: dict[str, Any],
+    def save_checkpoint(self, step: int, files: dict[str, Blob], meta: dict[str, Any],
                         written: dict[str, dict[str, Any]] | None = None) -> str:
         """Write every file, then the manifest last. Returns the checkpoint directory.
         `written`: entries of files other processes already wrote into this checkpoint (a
@@ -73,7 +74,7 @@ class CheckpointStore:
                                                         sort_keys=True))
         return self.checkpoint_dir(step)
 
-    def write_checkpoint_files(self, step: int, files: dict[str, bytes]
+    def write_checkpoint_files(self, step: int, files: dict[str, Blob]
                                ) -> dict[str, dict[str, Any]]:
         """Write files into checkpoint `step` (no manifest); returns their manifest entries
         (size, CRC32, SHA-256)."""

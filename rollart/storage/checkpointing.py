@@ -26,6 +26,7 @@ from rollart.config import RunConfig, dump_config
 from rollart.rollout.ids import group_of_sample
 from rollart.rollout.plan import plan_iteration
 from rollart.storage.background import BackgroundWriter
+from rollart.storage.blob import Blob
 from rollart.storage.ledger import LedgerAudit, SampleLedger
 from rollart.storage.store import RunStore
 from rollart.storage.weights import prune_weights, publish_weights, serialize_weights
@@ -155,7 +156,7 @@ class Checkpointer:
         mine = self.store.write_checkpoint_files(step, save_shards(trainer))
         return {k: v for part in all_gather_json(mine, trainer.ranks) for k, v in part.items()}
 
-    def _upload(self, step: int, files: dict[str, bytes], meta: dict[str, Any],
+    def _upload(self, step: int, files: dict[str, Blob], meta: dict[str, Any],
                 written: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         path = self.store.save_checkpoint(step, files, meta, written)

@@ -2,7 +2,8 @@
 
 - `atomic_write`: write a temporary file next to the target, fsync it, rename it over the
   target, fsync the directory. A reader (or a resume after a crash or power loss) sees the old
-  file or the new one, never a prefix of the new one.
+  file or the new one, never a prefix of the new one. `ChunkedBytes` (a checkpoint's large
+  files) go to the disk directly where the filesystem allows it (rollart/storage/blob.py).
 - `crc32`, `matches_entry`: does a file's content match its manifest entry (size and CRC32)?
 - `parse_jsonl`: JSON lines where the last line may be torn (an append cut short by a crash:
   appends are not atomic); a torn trailing line is reported, not fatal. A bad line anywhere
@@ -15,12 +16,11 @@ import contextlib
 import json
 import os
 import uuid
-import zlib
 from typing import Any
 
+from rollart.storage.blob import Blob, ChunkedBytes, crc32, write_direct
 
-def crc32(data: bytes) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+__all__ = ["atomic_write", "crc32", "matches_entry", "parse_jsonl", "want_entry"]
 
 
 def want_entry(entry: Any) -> dict[str, Any]:
@@ -28,21 +28,54 @@ def want_entry(entry: Any) -> dict[str, Any]:
     return entry if isinstance(entry, dict) else {"bytes": entry}
 
 
-def matches_entry(data: bytes, entry: Any) -> bool:
+def matches_entry(data: Blob, entry: Any) -> bool:
     want = want_entry(entry)
     return len(data) == want["bytes"] and ("crc32" not in want or crc32(data) == want["crc32"])
 
 
-def atomic_write(path: str, data: bytes) -> None:
+def _open_direct(path: str) -> int | None:
+    """`path`, created for writing with O_DIRECT; None where that flag is refused."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0)
+    if flags == os.O_WRONLY | os.O_CREAT | os.O_EXCL:
+        return None  # no O_DIRECT on this platform
+    try:
+        return os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == 22:  # EINVAL: this filesystem has no direct I/O
+            return None
+        raise
+
+
+def _write_file(tmp: str, data: Blob) -> None:
+    """`data` into the new file `tmp`, fsynced."""
+    if isinstance(data, ChunkedBytes):
+        fd = _open_direct(tmp)
+        if fd is not None:
+            try:
+                direct = write_direct(fd, data)
+                if direct:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if direct:
+                return
+    with open(tmp, "wb") as f:
+        if isinstance(data, ChunkedBytes):
+            for view in data.views():
+                f.write(view)
+        else:
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write(path: str, data: Blob) -> None:
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
     # Hidden, unique per writer: never listed as a shard or checkpoint file, never shared.
     tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_file(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

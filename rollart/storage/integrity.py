@@ -35,7 +35,7 @@ import os
 import re
 from typing import Any
 
-from rollart.storage.files import crc32
+from rollart.storage.blob import Blob, crc32, sha256
 from rollart.storage.formats import format_problem
 from rollart.storage.s3 import StorageError
 
@@ -73,9 +73,9 @@ def unsafe_names(manifest: dict[str, Any]) -> list[str]:
     return [n for n in files if not safe_name(n)] if isinstance(files, dict) else []
 
 
-def digests(data: bytes) -> dict[str, Any]:
+def digests(data: Blob) -> dict[str, Any]:
     """A file's manifest entry. hashlib and zlib drop the GIL on large buffers."""
-    return {"bytes": len(data), "crc32": crc32(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"bytes": len(data), "crc32": crc32(data), "sha256": sha256(data).hexdigest()}
 
 
 def key_id(key: bytes) -> str:

@@ -34,6 +34,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollart.storage.blob import Blob, ChunkedBytes, as_bytes
 from rollart.storage.checkpoint_store import MANIFEST as MANIFEST  # re-exported
 from rollart.storage.checkpoint_store import CheckpointStore, checkpoint_rel
 from rollart.storage.files import atomic_write, parse_jsonl
@@ -101,14 +102,14 @@ class RunStore(CheckpointStore):
         return retrying(fn, f"{what} ({self.url})", timeout_s=self.retry_timeout_s)
 
     # ---- small and large files -----------------------------------------------------------------
-    def write_bytes(self, rel: str, data: bytes) -> None:
+    def write_bytes(self, rel: str, data: Blob) -> None:
         full = self.path(rel)
 
         def put() -> None:
             if self.local:  # a crash leaves the old file or the new one, never half of one
                 atomic_write(full, data)
             else:  # concurrent multipart above 2 parts; a retry rewrites the whole object
-                self.fs.pipe_file(full, data, chunksize=CHUNK)
+                self.fs.pipe_file(full, _s3_body(data), chunksize=CHUNK)
 
         self._io(f"write {rel}", put)
 
@@ -118,13 +119,13 @@ class RunStore(CheckpointStore):
             return self._io(f"read {rel}", lambda: self.fs.cat_file(full))
         return self._io(f"read {rel}", lambda: self.fs.cat_file(full, chunksize=CHUNK))
 
-    def write_many(self, files: dict[str, bytes]) -> None:
+    def write_many(self, files: dict[str, Blob]) -> None:
         """Write several objects at once (S3: every file's parts upload concurrently)."""
         if self.local or len(files) < 2:
             for rel, data in files.items():
                 self.write_bytes(rel, data)
             return
-        full = {self.path(rel): data for rel, data in files.items()}
+        full = {self.path(rel): _s3_body(data) for rel, data in files.items()}
         self._io(f"write {len(files)} files under {os.path.commonpath(list(files))!r}",
                  lambda: self.fs.pipe(full, chunksize=CHUNK))
 
@@ -263,3 +264,11 @@ class RunStore(CheckpointStore):
 
     def read_shards(self, step: int | None = None) -> list[Trajectory]:
         return table_to_trajectories(self.read_shard_table(step))
+
+
+def _s3_body(data: Blob) -> Blob:
+    """What s3fs uploads: a multipart upload (two parts or more) cuts its parts by slicing,
+    which ChunkedBytes answers with bytes; a single PUT needs bytes."""
+    if isinstance(data, ChunkedBytes) and len(data) >= 2 * CHUNK:
+        return data
+    return as_bytes(data)

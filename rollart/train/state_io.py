@@ -25,12 +25,16 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import safetensors.torch
 import torch
 from torch import Tensor
+
+from rollart.storage.blob import Blob, as_bytes
+from rollart.train.safetensors_pack import pack
 
 ENGINE_RNG = "engine_rng.safetensors"
 LEGACY_ENGINE_RNG = "engine_rng.pt"
@@ -64,7 +68,7 @@ def _unnumber(v: Any) -> Any:
     return v
 
 
-def optimizer_files(optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
+def optimizer_files(optimizer: torch.optim.Optimizer) -> dict[str, Blob]:
     sd = optimizer.state_dict()
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -75,11 +79,11 @@ def optimizer_files(optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
             else:
                 scalars.setdefault(str(idx), {})[name] = _number(value)
     groups = [{k: _number(v) for k, v in g.items()} for g in sd["param_groups"]]
-    return {"optimizer.safetensors": safetensors.torch.save(tensors),
+    return {"optimizer.safetensors": pack(tensors),
             "optimizer.json": _json({"param_groups": groups, "scalars": scalars})}
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, files: dict[str, bytes]) -> None:
+def load_optimizer(optimizer: torch.optim.Optimizer, files: Mapping[str, Blob]) -> None:
     if "optimizer.json" not in files:
         if "optimizer.pt" in files:
             raise UnsafeCheckpointError(
@@ -88,8 +92,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, files: dict[str, bytes]) ->
                 "from a checkpoint written by this version, or start the run afresh")
         raise UnsafeCheckpointError("checkpoint has no optimizer state")
     try:
-        doc = json.loads(files["optimizer.json"])
-        tensors = safetensors.torch.load(files["optimizer.safetensors"])
+        doc = json.loads(as_bytes(files["optimizer.json"]))
+        tensors = safetensors.torch.load(as_bytes(files["optimizer.safetensors"]))
     except (ValueError, KeyError, safetensors.SafetensorError) as err:
         raise UnsafeCheckpointError(f"optimizer state is malformed: {err}") from None
     try:
@@ -120,7 +124,7 @@ def rng_files() -> dict[str, bytes]:
             "rng.json": _json(doc)}
 
 
-def load_rng(files: dict[str, bytes]) -> None:
+def load_rng(files: Mapping[str, Blob]) -> None:
     if "rng.json" not in files:
         if "rng.pt" in files:
             raise UnsafeCheckpointError(
@@ -129,8 +133,8 @@ def load_rng(files: dict[str, bytes]) -> None:
                 "checkpoint written by this version, or start the run afresh")
         raise UnsafeCheckpointError("checkpoint has no RNG state")
     try:
-        doc = json.loads(files["rng.json"])
-        torch_state = safetensors.torch.load(files["rng.safetensors"])["torch"]
+        doc = json.loads(as_bytes(files["rng.json"]))
+        torch_state = safetensors.torch.load(as_bytes(files["rng.safetensors"]))["torch"]
         n, p = doc["numpy"], doc["python"]
         np_state = (str(n["kind"]), np.array(n["keys"], dtype=np.uint32), int(n["pos"]),
                     int(n["has_gauss"]), float(n["cached_gaussian"]))

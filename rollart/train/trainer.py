@@ -27,6 +27,7 @@ from rollart.algo import (
 )
 from rollart.algo.offpolicy import behaviour_weights, staleness_metrics
 from rollart.config import AlgoConfig, TrainConfig
+from rollart.storage.blob import Blob, as_bytes
 from rollart.storage.weights import tie_key
 from rollart.train.batch import Batch, TokenLogits, collate
 from rollart.train.distributed import (
@@ -38,6 +39,7 @@ from rollart.train.distributed import (
     plan_rows,
 )
 from rollart.train.distributed import shard as shard_model
+from rollart.train.safetensors_pack import pack
 from rollart.train.state_io import load_optimizer, load_rng, optimizer_files, rng_files
 from rollart.types import Trajectory
 
@@ -358,24 +360,25 @@ class Trainer:
             meta["world_size"] = self.ranks.world
         return {**rng_files(), "trainer_state.json": json.dumps(meta).encode()}
 
-    def checkpoint_files(self) -> dict[str, bytes]:
+    def checkpoint_files(self) -> dict[str, Blob]:
         """Weights and state in formats that load without running code (no pickle). One rank
-        only: a sharded trainer writes its shards with `rollart/train/sharded_state.py`."""
+        only: a sharded trainer writes its shards with `rollart/train/sharded_state.py`. The
+        tensor files are `ChunkedBytes` (one copy of each tensor: safetensors_pack.py)."""
         if self.ranks.sharded:
             raise RuntimeError("a sharded trainer's checkpoint is written by every rank "
                                "(rollart/train/sharded_state.py)")
         state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
-        files = {
-            "model.safetensors": safetensors.torch.save(_untie(state)),
+        files: dict[str, Blob] = {
+            "model.safetensors": pack(_untie(state)),
             **optimizer_files(self.optimizer),
             **self.meta_files(),
         }
         if self.ref_model is not None:
             ref_state = {k: v.contiguous() for k, v in self.ref_model.state_dict().items()}
-            files["reference.safetensors"] = safetensors.torch.save(_untie(ref_state))
+            files["reference.safetensors"] = pack(_untie(ref_state))
         return files
 
-    def load_checkpoint_files(self, files: dict[str, bytes]) -> None:
+    def load_checkpoint_files(self, files: dict[str, Blob]) -> None:
         """Inverse of checkpoint_files, or of a sharded trainer's files at any world size.
         Raises UnsafeCheckpointError for a file that could only be loaded by unpickling it
         (older checkpoints' rng.pt) or that is malformed."""
@@ -387,19 +390,20 @@ class Trainer:
             raise ValueError("this checkpoint was saved by one trainer rank (model.safetensors); "
                              "resume it with train.world_size=1, then save again to grow")
         else:
-            self.model.load_state_dict(safetensors.torch.load(files["model.safetensors"]),
-                                       strict=False)
+            self.model.load_state_dict(
+                safetensors.torch.load(as_bytes(files["model.safetensors"])), strict=False)
             load_optimizer(self.optimizer, files)
             if self.ref_model is not None and "reference.safetensors" in files:
-                ref = safetensors.torch.load(files["reference.safetensors"])
+                ref = safetensors.torch.load(as_bytes(files["reference.safetensors"]))
                 self.ref_model.load_state_dict(ref, strict=False)
         load_rng(files)
-        meta = json.loads(files["trainer_state.json"])
+        meta = json.loads(as_bytes(files["trainer_state.json"]))
         self.version, self.step = int(meta["version"]), int(meta["step"])
 
 
 def _untie(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """safetensors refuses shared storage (tied embeddings): store each tensor once, cloned."""
+    """Each tied tensor once (tied embeddings: the first name; safetensors' own loader refuses
+    shared storage). `pack` copies every tensor it is given, so nothing is cloned here."""
     seen: dict[tuple[int, int, torch.dtype], str] = {}
     out = {}
     for k, v in state.items():
@@ -407,5 +411,5 @@ def _untie(state: dict[str, Tensor]) -> dict[str, Tensor]:
         if ptr in seen:
             continue  # tied weight: reloaded through the tie with strict=False
         seen[ptr] = k
-        out[k] = v.clone()
+        out[k] = v
     return out

@@ -5,9 +5,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from infra.seaweed import start_seaweed
 from rollart.config import StorageConfig
+from rollart.storage.blob import ALIGN, ChunkedBytes
 from rollart.storage.s3 import StorageError, check_storage
 from rollart.storage.store import RunStore
 from rollart.storage.weights import latest_weights_version, load_weights_bytes, publish_weights
@@ -72,6 +74,17 @@ def test_shards_checkpoints_and_weights_round_trip(aws_env):
     # A second reader opened from the same config reaches the same objects (no process-global
     # options: a plain RunStore(root) would use fsspec's defaults).
     assert RunStore.from_config(_cfg(aws_env, "rt"), "run1").read_shards(3)[0].sample_id == "s0"
+
+    # A trainer's tensor files (ChunkedBytes, 3 MiB chunks: the parts cut across them), and
+    # one under two parts (a single PUT, as bytes).
+    chunked = ChunkedBytes(len(big), 3 * 2**20)
+    chunked.write_at(0, torch.frombuffer(bytearray(big), dtype=torch.uint8))
+    small = ChunkedBytes(5, ALIGN)
+    small.write_at(0, torch.tensor(list(b"small"), dtype=torch.uint8))
+    other = RunStore.from_config(_cfg(aws_env, "rt"), "run-chunked")
+    other.save_checkpoint(5, {"model.bin": chunked, "s.bin": small}, {"iteration": 4})
+    files, _ = other.load_checkpoint(5)
+    assert files == {"model.bin": big, "s.bin": b"small"}
 
 
 def test_server_restart_mid_run_is_retried(aws_env):
