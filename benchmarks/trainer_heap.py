@@ -26,17 +26,19 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MODEL = Path.home() / ".cache/rollart/models/smollm2-135m-instruct"
 
 
-def updates_in_worker(n: int, threads: int) -> list[dict[str, float]]:
-    """`n` updates on fixed synthetic batches; per update: seconds, page faults, system s."""
+def synthetic_trainer(threads: int) -> tuple[Any, Callable[[int], list]]:
+    """A SmolLM2-135M Trainer as the benchmark config builds it, and `batch(it)`: 8 synthetic
+    episodes of step `it` (random tokens shaped like the guess task's episodes)."""
     import random
-    import resource
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -68,9 +70,17 @@ def updates_in_worker(n: int, threads: int) -> list[dict[str, float]]:
             token_versions=[it if m else -1 for m in mask], allowed_token_ids=None,
             advantage=rng.choice([-1.0, 1.0]))
 
+    return trainer, lambda it: [episode(i, it) for i in range(8)]
+
+
+def updates_in_worker(n: int, threads: int) -> list[dict[str, float]]:
+    """`n` updates on fixed synthetic batches; per update: seconds, page faults, system s."""
+    import resource
+
+    trainer, batch_of = synthetic_trainer(threads)
     out = []
     for it in range(n):
-        batch = [episode(i, it) for i in range(8)]
+        batch = batch_of(it)
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         trainer.update(batch)
         dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)

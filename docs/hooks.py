@@ -240,6 +240,16 @@ def _trainer_heap(d: dict) -> str:
             f"{r['page_faults'] / 1e6:.1f} M")
 
 
+def _checkpoint_snapshot(d: dict) -> str:
+    s = d["summary"]
+    snap, whole = s["snapshot_s_ratio_per_round"], s["total_s_ratio_per_round"]
+    return (f"SmolLM2-135M checkpoint in a trainer worker, previous / packed: snapshot "
+            f"**{s['snapshot_s_ratio_median']:.1f}x** ({s['previous_snapshot_s_median']:.1f} vs "
+            f"{s['packed_snapshot_s_median']:.1f} s; rounds {_r(min(snap), max(snap))}), with "
+            f"the write {s['total_s_ratio_median']:.1f}x ({_r(min(whole), max(whole))}); "
+            f"files identical: {d['files_identical']}")
+
+
 def _engines(d: dict) -> str:
     return (f"vLLM/HF tokens/s **{d['vllm_over_hf']:.2f}x**; log-prob error vs trainer "
             f"{d['logprob_mae_hf']:.1e} (HF), {d['logprob_mae_vllm']:.1e} (vLLM)")
@@ -382,6 +392,12 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "sync-vllm,async-vllm --rounds 2", "vs_trl.json", _vs_trl),
     ("Against TRL GRPOTrainer (multi-turn guess game)", "python benchmarks/agentic_vs_trl.py "
      "--group-size 4 --seeds 0,1,2,3 --constrained", "agentic_vs_trl.json", _agentic_vs_trl),
+    ("Against TRL, guess game, dynamic sampling (rollart's 10 seeds against TRL's earlier runs)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--resample-uniform 2 --seeds 0,1,2,3,4,5,6,7,8,9 --trl-from results/agentic_vs_trl.json,"
+     "results/agentic_vs_trl_seeds4-5.json,results/agentic_vs_trl_seeds6-9.json --out "
+     "results/agentic_vs_trl_resample_rerun.json", "agentic_vs_trl_resample_rerun.json",
+     _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
@@ -389,6 +405,9 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("HF vs vLLM engine", "make bench-engines", "engines.json", _engines),
     ("Trainer memory policy in workers", "python benchmarks/trainer_heap.py --rounds 2",
      "trainer_heap.json", _trainer_heap),
+    ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "
+     "--dir /tmp",
+     "checkpoint_snapshot.json", _checkpoint_snapshot),
     ("Rollout service at scale", "python benchmarks/rollout_scale.py --repeats 2",
      "rollout_scale.json", _rollout_scale),
     ("Router CPU per decision", "python benchmarks/router_rebuild.py --repeats 11 --calls 3000",
