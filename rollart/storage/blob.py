@@ -16,6 +16,7 @@ length, compares equal to `bytes` of the same content, slices to `bytes`, and co
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import zlib
@@ -161,7 +162,7 @@ def write_direct(fd: int, data: ChunkedBytes) -> bool:
             try:
                 done += os.write(fd, view[done:])
             except OSError as err:
-                if first and err.errno == 22:  # EINVAL: no direct I/O here
+                if first and err.errno == errno.EINVAL:  # no direct I/O here
                     return False
                 raise
             first = False

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import uuid
 from typing import Any
 
-from rollart.storage.blob import Blob, ChunkedBytes, crc32, write_direct
+from rollart.storage.blob import Blob, ChunkedBytes, blob_views, crc32, write_direct
 
 __all__ = ["atomic_write", "crc32", "matches_entry", "parse_jsonl", "want_entry"]
 
@@ -41,7 +42,7 @@ def _open_direct(path: str) -> int | None:
     try:
         return os.open(path, flags, 0o666)
     except OSError as err:
-        if err.errno == 22:  # EINVAL: this filesystem has no direct I/O
+        if err.errno == errno.EINVAL:  # this filesystem has no direct I/O
             return None
         raise
 
@@ -60,11 +61,8 @@ def _write_file(tmp: str, data: Blob) -> None:
             if direct:
                 return
     with open(tmp, "wb") as f:
-        if isinstance(data, ChunkedBytes):
-            for view in data.views():
-                f.write(view)
-        else:
-            f.write(data)
+        for view in blob_views(data):
+            f.write(view)
         f.flush()
         os.fsync(f.fileno())
 
