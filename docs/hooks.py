@@ -398,6 +398,10 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl_seeds4-5.json,results/agentic_vs_trl_seeds6-9.json --out "
      "results/agentic_vs_trl_resample_rerun.json", "agentic_vs_trl_resample_rerun.json",
      _agentic_vs_trl),
+    ("Against TRL, guess game, dynamic sampling (seeds 0-4, both sides in one invocation)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --resample-uniform 2 "
+     "--seeds 0,1,2,3,4 --out results/agentic_vs_trl_resample_both.json",
+     "agentic_vs_trl_resample_both.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
