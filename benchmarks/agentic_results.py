@@ -155,11 +155,11 @@ def summarise(runs: list[dict[str, Any]], base: float, seeds: list[int]) -> dict
     return out
 
 
-def pooled(files: list[str]) -> dict[str, Any]:
+def pooled(files: list[str], only: list[int] | None = None) -> dict[str, Any]:
     """One summary over the runs of several results files of the same settings and held-out
-    set (seeds run in separate invocations): `summarise` over all their runs, plus each side's
-    sample standard deviation of the per-seed gains and the standard error of the difference
-    of the mean gains, sqrt(sd_r^2 / n_r + sd_t^2 / n_t)."""
+    set (seeds run in separate invocations): `summarise` over all their runs (of the seeds in
+    `only`, when given), plus each side's sample standard deviation of the per-seed gains and
+    the standard error of the difference of the mean gains, sqrt(sd_r^2 / n_r + sd_t^2 / n_t)."""
     docs = [json.loads(Path(f).read_text()) for f in files]
     first = docs[0]
     for name, d in zip(files, docs, strict=True):
@@ -169,6 +169,8 @@ def pooled(files: list[str]) -> dict[str, Any]:
     for d in docs:  # a seed's run of a side once: the first file that has it
         runs += [r for r in d["runs"] if not any(
             (x["framework"], x["seed"]) == (r["framework"], r["seed"]) for x in runs)]
+    if only is not None:
+        runs = [r for r in runs if r["seed"] in only]
     seeds = sorted({r["seed"] for r in runs})
     out = {"files": files, "seeds": seeds, **summarise(runs, first["base_success"], seeds)}
     sds = {}
@@ -182,5 +184,13 @@ def pooled(files: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # python benchmarks/agentic_results.py results/a.json results/b.json ...: pooled figures
-    print(json.dumps(pooled(sys.argv[1:]), indent=1))
+    # python benchmarks/agentic_results.py [--seeds 0,1] results/a.json results/b.json ...:
+    # pooled figures (over those seeds only, with --seeds)
+    import argparse
+
+    ap = argparse.ArgumentParser(description="pooled figures over agentic_vs_trl results files")
+    ap.add_argument("--seeds", default=None, help="comma-separated: pool these seeds only")
+    ap.add_argument("files", nargs="+")
+    a = ap.parse_args()
+    only = [int(x) for x in a.seeds.split(",")] if a.seeds else None
+    print(json.dumps(pooled(a.files, only), indent=1))

@@ -338,6 +338,9 @@ def test_pooled_summary_over_files_by_hand(tmp_path):
     assert out["trl_success_gain_sd"] == pytest.approx(0.125 ** 0.5 / 2)
     assert out["success_gain_diff_se"] == pytest.approx(((0.125 + 0.03125) / 2) ** 0.5)
     assert out["tokens_per_s_ratio"] == pytest.approx(2.0)  # 2000 / 100 s vs 2000 / 200 s
+    one = pooled([a, b], only=[1])  # seed 1 alone: 1000 / 50 s vs 1000 / 100 s
+    assert one["seeds"] == [1] and one["tokens_per_s_ratio"] == pytest.approx(2.0)
+    assert one["rollart_success_gain_per_seed"] == {"1": 0.5}
     with pytest.raises(SystemExit, match="other settings"):
         pooled([a, write("c.json", [], {**m, "steps": 4})])
 
