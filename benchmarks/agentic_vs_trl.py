@@ -264,6 +264,37 @@ def run_rollart(m: Match, overrides: list[str], work: Path, seed: int) -> dict:
             **rollart_signal(rows)}
 
 
+def results_doc(a: argparse.Namespace, m: Match, host: dict[str, Any], seeds: list[int],
+                held: list[int], base: dict[str, Any], probe: Path, runs: list[dict[str, Any]],
+                trl_from: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results file: settings, host, the summary over `runs` so far, and the runs."""
+    mech = json.loads(probe.read_text()) if probe.exists() else None
+    return {"benchmark": "agentic_vs_trl", "command": " ".join([sys.executable, *sys.argv]),
+            "complete": False,
+            "host": {**host, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
+            "model": "SmolLM2-135M-Instruct (float32)", "settings": m.to_json(),
+            "run_seeds": seeds, "rollart_engine": a.engine,
+            # what rollart's loss took: restricted whenever tis corrects the sampling
+            "rollart_constrained_logprobs": (
+                (a.logprobs if on_policy_fp32(a.staleness, a.engine_dtype) else "restricted")
+                if m.constrained else None),
+            "rollart_config": str(CONFIG.relative_to(ROOT)),
+            "held_out_seeds": held, "base_success": base["success_rate"], "base": base,
+            **summarise(runs, base["success_rate"], seeds), "mechanism": mech,
+            "resample_uniform": a.resample_uniform, "trl_runs_from": trl_from,
+            "notes": NOTES + ([CONSTRAINED_NOTE] if m.constrained else []),
+            "runs": runs}
+
+
+def write(doc: dict[str, Any], path: str) -> None:
+    """Replace `path` whole (a reader never sees half a file)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -349,27 +380,14 @@ def main() -> None:
                       f"wall {res['wall_s']:.0f} s, {res['tally']['model_tokens']} tokens, "
                       f"{res['tally']['env_steps']} env steps, held-out "
                       f"{res['held_out']['success_rate']:.3f}", flush=True)
+                # an interrupted invocation keeps the runs it finished ("complete": false)
+                write(results_doc(a, m, host, seeds, held, base, probe, runs, []), a.out)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     trl_from = earlier_trl_runs(a.trl_from, m, held, seeds, runs)
-    mech = json.loads(probe.read_text()) if probe.exists() else None
-    out = {"benchmark": "agentic_vs_trl", "command": " ".join([sys.executable, *sys.argv]),
-           "host": {**host, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
-           "model": "SmolLM2-135M-Instruct (float32)", "settings": m.to_json(),
-           "run_seeds": seeds, "rollart_engine": a.engine,
-           # what rollart's loss took: restricted whenever tis corrects the sampling
-           "rollart_constrained_logprobs": (
-               (a.logprobs if on_policy_fp32(a.staleness, a.engine_dtype) else "restricted")
-               if m.constrained else None),
-           "rollart_config": str(CONFIG.relative_to(ROOT)),
-           "held_out_seeds": held, "base_success": base["success_rate"], "base": base,
-           **summarise(runs, base["success_rate"], seeds), "mechanism": mech,
-           "resample_uniform": a.resample_uniform, "trl_runs_from": trl_from,
-           "notes": NOTES + ([CONSTRAINED_NOTE] if m.constrained else []),
-           "runs": runs}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    out = {**results_doc(a, m, host, seeds, held, base, probe, runs, trl_from), "complete": True}
+    write(out, a.out)
     print(f"agentic_vs_trl: success gain rollart {out['rollart_success_gain']} vs TRL "
           f"{out['trl_success_gain']}; tokens/s ratio {out['tokens_per_s_ratio']}, env steps/s "
           f"ratio {out['env_steps_per_s_ratio']}; step_s {out['step_s']} -> {a.out}")
