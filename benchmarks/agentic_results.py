@@ -172,7 +172,11 @@ def pooled(files: list[str], only: list[int] | None = None) -> dict[str, Any]:
     if only is not None:
         runs = [r for r in runs if r["seed"] in only]
     seeds = sorted({r["seed"] for r in runs})
-    out = {"files": files, "seeds": seeds, **summarise(runs, first["base_success"], seeds)}
+    out = {"files": files, "seeds": seeds, **summarise(runs, first["base_success"], seeds),
+           # an interrupted invocation's file holds the runs it finished (older files predate
+           # the flag and were written whole)
+           "incomplete_files": [f for f, d in zip(files, docs, strict=True)
+                                if d.get("complete") is False]}
     sds = {}
     for fw in ("rollart", "trl"):
         gains = list(out[f"{fw}_success_gain_per_seed"].values())

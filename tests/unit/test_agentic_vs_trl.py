@@ -318,18 +318,20 @@ def test_pooled_summary_over_files_by_hand(tmp_path):
 
     m = Match(steps=3).to_json()
 
-    def write(name, runs, settings=m):
+    def write(name, runs, settings=m, **more):
         f = tmp_path / name
         f.write_text(json.dumps({"settings": settings, "held_out_seeds": [1], "runs": runs,
-                                 "base_success": 0.25}))
+                                 "base_success": 0.25, **more}))
         return str(f)
 
     a = write("a.json", [_run("trl", 0, 100.0, 1000, 100, 0.5),
                          _run("rollart", 0, 50.0, 1000, 50, 0.25)])
     b = write("b.json", [_run("trl", 1, 100.0, 1000, 100, 0.75),
                          _run("rollart", 1, 50.0, 1000, 50, 0.75),
-                         _run("trl", 0, 1.0, 1, 1, 1.0)])  # seed 0 again: a's run stands
+                         _run("trl", 0, 1.0, 1, 1, 1.0)],  # seed 0 again: a's run stands
+              complete=False)  # an interrupted invocation's file: pooled, and named
     out = pooled([a, b])
+    assert out["incomplete_files"] == [b]
     assert out["seeds"] == [0, 1]
     assert out["rollart_success_gain_per_seed"] == {"0": 0.0, "1": 0.5}
     assert out["trl_success_gain_per_seed"] == {"0": 0.25, "1": 0.5}
