@@ -402,11 +402,22 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --resample-uniform 2 "
      "--seeds 0,1,2,3,4 --out results/agentic_vs_trl_resample_both.json",
      "agentic_vs_trl_resample_both.json", _agentic_vs_trl),
+    ("Against TRL, guess game, dynamic sampling (seeds 0-4, both sides, Intel Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --resample-uniform 2 "
+     "--seeds 0,1,2,3,4 --out results/agentic_vs_trl_resample_both_intel.json",
+     "agentic_vs_trl_resample_both_intel.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched (seeds 0-4, Intel Xeon host, TRL's runs above)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_resample_both_intel.json "
+     "--out results/agentic_vs_trl_seeds0-4_intel.json",
+     "agentic_vs_trl_seeds0-4_intel.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
      "agentic_multitask.json", _multitask),
     ("HF vs vLLM engine", "make bench-engines", "engines.json", _engines),
+    ("HF vs vLLM engine (Intel Xeon host)", "python benchmarks/engines.py --out "
+     "results/engines_intel.json", "engines_intel.json", _engines),
     ("Trainer memory policy in workers", "python benchmarks/trainer_heap.py --rounds 2",
      "trainer_heap.json", _trainer_heap),
     ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "
