@@ -411,6 +411,12 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_resample_both_intel.json "
      "--out results/agentic_vs_trl_seeds0-4_intel.json",
      "agentic_vs_trl_seeds0-4_intel.json", _agentic_vs_trl),
+    ("Against TRL, guess game, rollart's engine in bfloat16 (seeds 0-4, Intel Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--engine-dtype bfloat16 --seeds 0,1,2,3,4 --trl-from "
+     "results/agentic_vs_trl_resample_both_intel.json --out "
+     "results/agentic_vs_trl_bf16_seeds0-4_intel.json",
+     "agentic_vs_trl_bf16_seeds0-4_intel.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
