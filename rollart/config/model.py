@@ -91,6 +91,11 @@ class VLLMEngineConfig(_Strict):
     prefix_caching: bool = True
     """vLLM's automatic prefix caching (multi-turn episodes re-send their growing conversation);
     reset after every weight update."""
+    block_size: int | None = Field(None, gt=0, multiple_of=16)
+    """KV-cache block in tokens; None: 32 on CPU, vLLM's default on GPU. Prefix caching reuses
+    whole blocks only, so each turn re-prefills the conversation after its last full block
+    (vLLM's CPU default of 128 re-prefilled ~1.9x the rollout time of 32 on the guess task).
+    The CPU attention kernel takes multiples of 32."""
     enforce_eager: bool = True
     """no torch.compile / CUDA graphs: fast start, slower decode."""
     sleep_mode: bool = True
@@ -105,6 +110,16 @@ class VLLMEngineConfig(_Strict):
     engine-class worker. CUDA only: refused at load on a machine without it."""
     extra: dict[str, Any] = {}
     """passed to vllm.LLM(...) as is."""
+
+    @model_validator(mode="after")
+    def _cpu_block_size(self) -> VLLMEngineConfig:
+        if self.block_size is not None and self.block_size % 32:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"engine.vllm.block_size {self.block_size}: vLLM's CPU "
+                                 "attention needs a multiple of 32 (leave it unset for 32)")
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_cuda(self) -> VLLMEngineConfig:

@@ -41,7 +41,8 @@ def make_engine(cfg: RunConfig, model: nn.Module, tokenizer: PreTrainedTokenizer
     opts: dict[str, Any] = dict(
         seed=seed, weight_version=weight_version, dtype=v.dtype, max_model_len=v.max_model_len,
         kv_cache_mb=v.kv_cache_mb, gpu_memory_utilization=v.gpu_memory_utilization,
-        enable_prefix_caching=v.prefix_caching, enforce_eager=v.enforce_eager,
+        enable_prefix_caching=v.prefix_caching, block_size=v.block_size,
+        enforce_eager=v.enforce_eager,
         inplace_weights=v.inplace_weights,
         sleep_mode=v.sleep_mode,
         extra_args={**({"tensor_parallel_size": v.tensor_parallel_size}

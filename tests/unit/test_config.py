@@ -29,6 +29,7 @@ def test_overrides_parse_yaml_scalars():
         (["cluster.stages.engine=TPU"], "no workers"),
         (["model.source=hf_dir"], "model.path is required"),
         (["algo.constrained_logprobs=vocab"], "set algo.off_policy: none"),
+        (["engine.vllm.block_size=20"], "'engine.vllm.block_size'"),
     ],
 )
 def test_bad_config_names_the_key(overrides, fragment):

@@ -143,6 +143,21 @@ def test_finishing_rules_and_abort(engine, tok):
     assert engine.generate(rs[2:3])[0].token_ids == length.token_ids
 
 
+def test_next_turn_reuses_the_conversation_from_the_prefix_cache(tok, engine):
+    """A multi-turn episode re-sends its conversation each turn. Cache hits are whole KV blocks,
+    so with vLLM's CPU default (128 tokens) a 100-token conversation is prefilled again in full;
+    with rollart's 32 all but its last partial block comes from the cache."""
+    assert engine._engine.vllm_config.cache_config.block_size == 32
+    first = (prompts(tok, 1, seed=7)[0] * 40)[:100]  # 3 full blocks of 32 + 4 tokens
+    out = engine.generate(reqs([first], max_new_tokens=4, temperature=0.0))[0]
+    before = engine.stats()["cached_prompt_tokens"]
+    turn2 = first + out.token_ids + prompts(tok, 1, seed=8)[0][:10]
+    engine.generate(reqs([turn2], max_new_tokens=2, temperature=0.0))
+    cached = engine.stats()["cached_prompt_tokens"] - before
+    assert cached >= 96, cached  # the 3 full blocks of the first turn (4 tokens re-computed)
+    assert cached < len(turn2)
+
+
 def test_backend_from_config_runs_an_iteration(tmp_path, engine):
     """`engine.backend: vllm` through EngineService (make_engine) in the local loop."""
     engine.close()  # one vLLM engine per process at a time on CPU: free the module's one
