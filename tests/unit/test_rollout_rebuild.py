@@ -76,8 +76,13 @@ def test_a_broken_rollout_service_is_rebuilt_from_its_live_state(tmp_path):
     interrupted = [r for r in dropped if "interrupted" in r]
     assert len(interrupted) == restored["interrupted"] and len(dropped) == c["dropped"]
     # A turn that reached the dead batcher before the rebuild fails its episode (re-issued,
-    # so every group still completes); it never counts as a finished member.
-    assert all("interrupted" in r or "engine_error" in r for r in dropped)
+    # so every update still gets its groups); it never counts as a finished member. On a
+    # loaded host the re-issued members can reach the dead batcher too, until a group's retry
+    # budget is spent: its last running members are then dropped with it and a new group
+    # takes its slot (the counts above hold either way).
+    failed = ("interrupted", "engine_error", "group_dropped")
+    other = [r for r in dropped if not any(reason in r for reason in failed)]
+    assert not other, other
 
 
 class _Svc:
