@@ -134,3 +134,27 @@ def test_save_and_reload_hf_dir(tmp_path):
     assert tok2.encode(CORPUS[2]) == tok.encode(CORPUS[2])
     with pytest.raises(ValueError, match="corpus"):
         load_policy(ModelConfig(), None, 0)
+
+
+def _file_maps(name: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files called `name` (/proc/self/maps)."""
+    spans = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("/" + name):
+            lo, hi = line.split()[0].split("-")
+            spans.append((int(lo, 16), int(hi, 16)))
+    return spans
+
+
+def test_reloaded_weights_do_not_live_in_the_file_map(tmp_path):
+    """An optimizer step writes the weights in place: they must not be pages of a
+    copy-on-write map of model.safetensors (each would be copied on its first write)."""
+    model, tok = load_policy(ModelConfig(), CORPUS, seed=3)
+    save_hf_dir(model, tok, tmp_path / "policy")
+    model2, _ = load_policy(ModelConfig(source="hf_dir", path=str(tmp_path / "policy")), None, 0)
+    spans = _file_maps("model.safetensors")
+    inside = [n for n, p in model2.named_parameters()
+              if any(lo <= p.data_ptr() < hi for lo, hi in spans)]
+    assert inside == []
+    emb = model2.get_input_embeddings().weight
+    assert model2.get_output_embeddings().weight is emb  # tied weights stay tied
