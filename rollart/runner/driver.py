@@ -198,11 +198,17 @@ class IterationDriver:
     def start(self, resume_step: int | None = None) -> int:
         """Create the services (restored from checkpoint `resume_step`); returns the first
         iteration to run."""
-        info = self.runner.info
+        info, f = self.runner.info, self.factory
+        # The engines build while the trainer does (BuildsAhead). A model of an HF directory
+        # brings its tokenizer: its engines start before prepare (a CPU worker's imports, ~3 s
+        # on 2 cores with nothing else to run). The run's own tokenizer (model.source tiny) is
+        # what prepare writes: its engines wait for it.
+        early = self.cfg.model.source == "hf_dir"
+        if early and isinstance(f, BuildsAhead):
+            f.begin()
         self.placed("prepare", info(self.runner.submit("prepare", self.run)))
         sign_run_files(self.store)  # config + tokenizer, here where the owner's key is
-        f = self.factory
-        if isinstance(f, BuildsAhead):  # the engines build while the trainer does
+        if not early and isinstance(f, BuildsAhead):
             f.begin()
         trainer, engines, hosts = f.trainer(), list(f.engines()), f.env_hosts()
         first = 0

@@ -147,6 +147,26 @@ def test_driver_runs_the_stages_in_order_and_merges_metrics(tmp_path):
     assert [r["worker"] for r in driver.placed.by_stage["checkpoint"]] == ["checkpoint"] * 2
 
 
+class AheadFactory(Factory):
+    """A factory that builds its engines ahead (BuildsAhead)."""
+
+    def begin(self) -> None:
+        self.log.append(("begin",))
+
+
+@pytest.mark.parametrize(("overrides", "order"), [
+    # the run's own tokenizer is what prepare writes: the engines wait for it
+    ((), [("prepare",), ("begin",), ("trainer",)]),
+    # an HF directory brings its tokenizer: the engines start before prepare
+    (("model.source=hf_dir", "model.path=/models/x"), [("begin",), ("prepare",), ("trainer",)]),
+])
+def test_engines_start_before_prepare_only_when_they_do_not_need_it(tmp_path, overrides, order):
+    log: list[Any] = []
+    IterationDriver(RunSpec(cfg_with(tmp_path, *overrides), "r"), Runner(log),
+                    AheadFactory(log)).start()
+    assert log[:3] == order
+
+
 def test_eval_before_training_evaluates_the_initial_policy_first(tmp_path):
     """`eval.before_training`: one evaluation after the first sync and before the rollout
     service starts, written as the row of iteration -1 (version 0)."""
