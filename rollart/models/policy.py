@@ -77,9 +77,10 @@ def own_weights(model: nn.Module) -> nn.Module:
     """Give every parameter memory of its own. `from_pretrained` leaves the weights in a
     private (copy-on-write) map of the safetensors file; the first in-place update (the
     optimizer's first step, an engine's weight sync) then copies the model page by page, each
-    a fault plus a TLB flush on every core the process runs on: 1.7 s of SmolLM2-135M's first
-    AdamW step on a 2-core VM against 0.3 s for the same step on owned memory (0.17 s to copy).
-    Tied weights stay tied: the Parameter objects are kept, only their data is replaced."""
+    a fault plus a TLB flush on every core the process runs on. SmolLM2-135M's first AdamW
+    step on a 2-core VM: 1.8 s on the map, 0.27 s on owned memory, which takes ~0.5 s more to
+    load (benchmarks/owned_weights.py). Tied weights stay tied: the Parameter objects are
+    kept, only their data is replaced."""
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()
