@@ -200,9 +200,9 @@ class IterationDriver:
         iteration to run."""
         info, f = self.runner.info, self.factory
         # The engines build while the trainer does (BuildsAhead). A model of an HF directory
-        # brings its tokenizer: its engines start before prepare (a CPU worker's imports, ~3 s
-        # on 2 cores with nothing else to run). The run's own tokenizer (model.source tiny) is
-        # what prepare writes: its engines wait for it.
+        # brings its tokenizer: its engines start before prepare, whose imports on a CPU worker
+        # otherwise run with the other workers idle. The run's own tokenizer (model.source
+        # tiny) is what prepare writes: its engines wait for it.
         early = self.cfg.model.source == "hf_dir"
         if early and isinstance(f, BuildsAhead):
             f.begin()
