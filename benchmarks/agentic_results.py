@@ -188,13 +188,21 @@ def pooled(files: list[str], only: list[int] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # python benchmarks/agentic_results.py [--seeds 0,1] results/a.json results/b.json ...:
-    # pooled figures (over those seeds only, with --seeds)
+    # python benchmarks/agentic_results.py [--seeds 0,1] [--out F] results/a.json ...:
+    # pooled figures (over those seeds only, with --seeds); a seed's run of a side comes from
+    # the first file that has it, so list the files whose runs should count first
     import argparse
 
     ap = argparse.ArgumentParser(description="pooled figures over agentic_vs_trl results files")
     ap.add_argument("--seeds", default=None, help="comma-separated: pool these seeds only")
+    ap.add_argument("--out", default=None, help="also write them (with each file's host) here")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args()
     only = [int(x) for x in a.seeds.split(",")] if a.seeds else None
-    print(json.dumps(pooled(a.files, only), indent=1))
+    got = pooled(a.files, only)
+    if a.out:
+        hosts = {f: json.loads(Path(f).read_text())["host"] for f in a.files}
+        Path(a.out).write_text(json.dumps({"benchmark": "agentic_vs_trl_pooled",
+                                           "command": " ".join([sys.executable, *sys.argv]),
+                                           **got, "hosts": hosts}, indent=1) + "\n")
+    print(json.dumps(got, indent=1))

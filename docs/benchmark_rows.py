@@ -96,6 +96,15 @@ def _trainer_heap(d: dict) -> str:
             f"{r['page_faults'] / 1e6:.1f} M")
 
 
+def _owned_weights(d: dict) -> str:
+    m, o, per = d["median"]["mapped"], d["median"]["owned"], d["first_step_ratio_per_round"]
+    saved = d["load_and_first_step_saved_s_per_round"]
+    return (f"SmolLM2-135M's first AdamW step {m['first_step_s']:.2f} s on the file map, "
+            f"{o['first_step_s']:.2f} s owned: **{d['first_step_ratio']:.1f}x** (rounds "
+            f"{_r(min(per), max(per), '{:.1f}')}x); load + first step {_r(min(saved), max(saved))} "
+            f"s less")
+
+
 def _checkpoint_snapshot(d: dict) -> str:
     s = d["summary"]
     snap, whole = s["snapshot_s_ratio_per_round"], s["total_s_ratio_per_round"]
@@ -300,6 +309,21 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl_resample_both_intel.json --out "
      "results/agentic_vs_trl_resample_seeds0-4_intel_block32.json",
      "agentic_vs_trl_resample_seeds0-4_intel_block32.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched, both sides timed in one session (seeds 0-4, Intel Xeon "
+     "host)",
+     "python benchmarks/agentic_results.py --out results/agentic_vs_trl_matched_intel_session.json "
+     "results/agentic_vs_trl_trl_seeds0-2_intel_again.json "
+     "results/agentic_vs_trl_trl_seeds3-4_intel_again.json "
+     "results/agentic_vs_trl_seeds0-4_intel_startup.json",
+     "agentic_vs_trl_matched_intel_session.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched, both sides timed in one session, rollart's other "
+     "invocation (seeds 0-4, Intel Xeon host)",
+     "python benchmarks/agentic_results.py --out "
+     "results/agentic_vs_trl_matched_intel_session_before.json "
+     "results/agentic_vs_trl_trl_seeds0-2_intel_again.json "
+     "results/agentic_vs_trl_trl_seeds3-4_intel_again.json "
+     "results/agentic_vs_trl_seeds0-4_intel_block32_baseline.json",
+     "agentic_vs_trl_matched_intel_session_before.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
@@ -311,6 +335,8 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "kv_block.json", _kv_block),
     ("Trainer memory policy in workers", "python benchmarks/trainer_heap.py --rounds 2",
      "trainer_heap.json", _trainer_heap),
+    ("First optimizer step on file-mapped and owned weights",
+     "python benchmarks/owned_weights.py --rounds 5", "owned_weights.json", _owned_weights),
     ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "
      "--dir /tmp",
      "checkpoint_snapshot.json", _checkpoint_snapshot),
