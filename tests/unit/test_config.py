@@ -61,3 +61,17 @@ def test_uvloop_without_uvloop_names_the_fix(monkeypatch):
     # the default loop (select), and the threaded runner, need no uvloop
     assert load_config(None, ["rollout.runner=asyncio"]).rollout.event_loop == "select"
     assert load_config(None, ["rollout.runner=threads"])
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_vllm_block_size_of_48_needs_a_gpu(monkeypatch, cuda):
+    """vLLM's CPU attention takes multiples of 32 only; a GPU takes any multiple of 16."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if cuda:
+        assert load_config(None, ["engine.vllm.block_size=48"]).engine.vllm.block_size == 48
+        return
+    with pytest.raises(ConfigError, match="engine.vllm.block_size 48: .*multiple of 32"):
+        load_config(None, ["engine.vllm.block_size=48"])
+    assert load_config(None, ["engine.vllm.block_size=64"]).engine.vllm.block_size == 64
