@@ -309,14 +309,14 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl_resample_both_intel.json --out "
      "results/agentic_vs_trl_resample_seeds0-4_intel_block32.json",
      "agentic_vs_trl_resample_seeds0-4_intel_block32.json", _agentic_vs_trl),
-    ("Against TRL, guess game, matched, both sides timed in one session (seeds 0-4, Intel Xeon "
+    ("Against TRL, guess game, matched, both sides timed together (seeds 0-4, Intel Xeon "
      "host)",
      "python benchmarks/agentic_results.py --out results/agentic_vs_trl_matched_intel_session.json "
      "results/agentic_vs_trl_trl_seeds0-2_intel_again.json "
      "results/agentic_vs_trl_trl_seeds3-4_intel_again.json "
      "results/agentic_vs_trl_seeds0-4_intel_startup.json",
      "agentic_vs_trl_matched_intel_session.json", _agentic_vs_trl),
-    ("Against TRL, guess game, matched, both sides timed in one session, rollart's other "
+    ("Against TRL, guess game, matched, both sides timed together, rollart's other "
      "invocation (seeds 0-4, Intel Xeon host)",
      "python benchmarks/agentic_results.py --out "
      "results/agentic_vs_trl_matched_intel_session_before.json "
