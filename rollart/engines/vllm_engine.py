@@ -115,6 +115,16 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", max_model_len=max_model_len,
             enable_sleep_mode=self.sleep_supported,
         )
+        if self.on_cpu and enforce_eager:
+            # Eager vLLM still compiles two small sampler helpers with inductor on first use
+            # (the sampled tokens' ranks; top-p), and recompiles as batch shapes change: on CPU
+            # a C++ build and a compiler-probe subprocess in a run's first rollout (2.1 s of
+            # its first step on a 2-core host, later steps unchanged: benchmarks/
+            # engine_compile.py), for ops eager torch runs in microseconds at these batch
+            # sizes. The process is this engine's worker: nothing else in it compiles.
+            from torch import _dynamo
+
+            _dynamo.config.disable = True
         if self.on_cpu:  # the CPU backend otherwise sizes the KV cache from all host memory
             kwargs["kv_cache_memory_bytes"] = kv_cache_mb << 20
             # Prefix-cache hits are whole blocks: with the CPU default (128) every turn of a

@@ -114,6 +114,15 @@ def test_logprobs_match_trainer_and_update_changes_output(engine, tok):
     assert [c.token_ids for c in engine.generate(greedy)] == [c.token_ids for c in after]
 
 
+def test_an_eager_cpu_engine_runs_vllms_sampler_helpers_uncompiled(engine):
+    """vLLM compiles two sampler helpers with inductor even in eager mode; on CPU that is a
+    C++ build in the first rollout (benchmarks/engine_compile.py), so the engine's process runs
+    them eagerly. The generation tests in this module run under this setting."""
+    from torch import _dynamo
+
+    assert engine.on_cpu and _dynamo.config.disable
+
+
 def test_finishing_rules_and_abort(engine, tok):
     chat = ChatFormat(tok)
     p = prompts(tok, 1, seed=5)[0]
