@@ -14,7 +14,10 @@ Layout of one message: `<|im_start|>{role}\\n{content}<|im_end|>\\n`.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the flow process imports this without transformers
+    from transformers import PreTrainedTokenizerBase
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 

@@ -1,22 +1,23 @@
 """The run's policy as every worker rebuilds it: tokenizer (trained once, kept in the store),
 chat format and model. Caches live in this imported module, so they persist per worker process
-(a cache in a `@task` body would not: Prefect pickles task functions by value).
+(a cache in a `@task` body would not: Prefect pickles task functions by value). Torch and
+the model code load with the functions that need them: the flow process imports this module
+without either.
 """
 
 from __future__ import annotations
 
 import tempfile
 import threading
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rollart.envs import make_env
 from rollart.models.chat import ChatFormat
-from rollart.models.policy import build_tiny_model, load_policy, policy_skeleton
-from rollart.models.tokenizer import build_tokenizer
 from rollart.run import RunSpec
 from rollart.storage.store import RunStore
+
+if TYPE_CHECKING:
+    import torch
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -46,6 +47,8 @@ def prepare_tokenizer(run: RunSpec, store: RunStore) -> int:
         env = make_env(task)
         corpus.extend(env.corpus_texts(episodes=20, seed=cfg.seed))
         env.close()
+    from rollart.models.tokenizer import build_tokenizer
+
     tok = build_tokenizer(corpus, cfg.model.tiny.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         tok.save_pretrained(tmp)
@@ -84,6 +87,8 @@ def build_model(run: RunSpec, skeleton: bool = False) -> tuple[torch.nn.Module, 
     """(model, tokenizer): the same architecture and initial weights on every worker.
     `skeleton` (an `hf_dir` model for a sharded trainer): the model on the meta device, its
     weights left to be read shard by shard."""
+    from rollart.models.policy import build_tiny_model, load_policy, policy_skeleton
+
     cfg = run.cfg
     if cfg.model.source == "hf_dir":
         if skeleton:
@@ -95,5 +100,7 @@ def build_model(run: RunSpec, skeleton: bool = False) -> tuple[torch.nn.Module, 
 
 def param_checksum(model: torch.nn.Module) -> float:
     """Cheap parameter checksum (sum of |w| over every tensor), to see that weights changed."""
+    import torch
+
     with torch.no_grad():
         return float(sum(p.detach().abs().sum() for p in model.parameters()))

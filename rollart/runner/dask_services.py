@@ -32,7 +32,6 @@ from rollart.service_protocols import EngineAPI, RolloutAPI, TrainerAPI
 from rollart.services import EngineService, RolloutServiceActor, TrainerService
 from rollart.services.trainer_group import TrainerGroup
 from rollart.storage.background import flush_all
-from rollart.train.distributed import free_port
 
 log = logging.getLogger("rollart")
 # After a restart, how long a sharded trainer waits for all its workers before it resumes on
@@ -164,6 +163,8 @@ class DaskServices:
                 "lower train.world_size")
         workers = sorted(workers)[:world]
         host = urlparse(workers[0]).hostname or "127.0.0.1"
+        from rollart.train.distributed import free_port  # torch: not on import of this module
+
         port = self.client.run(free_port, host, workers=[workers[0]])[workers[0]]
         futures = [self.client.submit(
             TrainerService, self.run, r, world, (host, port), actor=True, workers=[addr],

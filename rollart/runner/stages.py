@@ -1,5 +1,9 @@
 """The stage bodies of one RL iteration, free of Prefect: `tasks/` wraps each in a @task.
 
+Torch and the model code are imported by the stages that use them, on the workers that run
+them: the flow process imports this module to submit stages, and stays free of both
+(tests/unit/test_light_imports.py).
+
 Services are passed as handles (Dask actors in a run, or plain service objects in tests and
 benchmarks), typed by their Protocols (`rollart/service_protocols.py`); `call(handle).method(...)`
 hides the difference between an actor future and a direct return, and is checked by mypy.
@@ -14,9 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-import torch
-
-from rollart.algo import get_advantage_estimator, zero_variance_groups
 from rollart.config import dump_config
 from rollart.handles import (
     attach,
@@ -27,7 +28,6 @@ from rollart.handles import (
     worker_identity,
 )
 from rollart.metrics import reward_metrics, rollout_metrics
-from rollart.models.run_model import chat_format, prepare_tokenizer
 from rollart.rewards.client import make_reward_client
 from rollart.rollout.env_manager import EpisodeSpec, constrained_params, run_episodes
 from rollart.rollout.failover import is_replica_loss
@@ -62,11 +62,17 @@ def trajectories_of(x: list[Trajectory] | tuple[list[Trajectory], dict]) -> list
 
 @timed_stage
 def prepare(run: RunSpec) -> dict[str, Any]:
-    """The run's config and tokenizer into the store (once; env code, so on a CPU worker)."""
+    """The run's config and tokenizer into the store (once; env code, so on a CPU worker).
+    It also loads the run's chat format on this worker, where the rollout service and the env
+    hosts read it from the process's cache: a broken tokenizer fails here, and its imports
+    (transformers, torch) run now, beside the engines' start, not after them."""
+    from rollart.models.run_model import chat_format, prepare_tokenizer
+
     store = run.store()
     if not store.exists("config.yaml"):
         store.write_text("config.yaml", dump_config(run.cfg))
     vocab = prepare_tokenizer(run, store)
+    chat_format(run)
     return {"vocab_size": vocab, "store": store.url, **worker_identity()}
 
 
@@ -74,6 +80,8 @@ def _run_on_engines(run: RunSpec, specs: list[EpisodeSpec], engines: list[Engine
                     params: SamplingParams,
                     on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Split episodes across engine replicas (contiguous, so groups stay together)."""
+    from rollart.models.run_model import chat_format
+
     chat = chat_format(run)
     n = len(engines)
     chunks = [specs[i * len(specs) // n:(i + 1) * len(specs) // n] for i in range(n)]
@@ -118,6 +126,10 @@ def collect(rollout: RolloutAPI, iteration: int) -> tuple[list[Trajectory], dict
 def score(run: RunSpec, iteration: int,
           collected: Any) -> tuple[list[Trajectory], dict[str, Any]]:
     """Rewards, then group-normalised advantages; failed episodes are dropped here."""
+    import torch
+
+    from rollart.algo import get_advantage_estimator, zero_variance_groups
+
     cfg = run.cfg
     t0 = time.perf_counter()
     trajs = trajectories_of(collected)

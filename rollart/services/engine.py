@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 from urllib.parse import urlparse
 
-import safetensors.torch
-import torch
-
 from rollart.cpu_pinning import pin_to_class
-from rollart.engines import make_engine
-from rollart.engines.base import InferenceEngine
-from rollart.engines.shared_weights import read_shared
-from rollart.engines.weight_stream import WeightReceiver
 from rollart.handles import set_call_timeout, worker_identity
-from rollart.models.policy import param_count
 from rollart.models.run_model import build_model, param_checksum
 from rollart.routing.setup import emulation_factors
 from rollart.run import RunSpec
@@ -32,45 +24,50 @@ from rollart.service_protocols import (
     WeightsStreamedIn,
 )
 from rollart.storage.store import checkpoint_rel
-from rollart.storage.weights import load_weights_bytes, retie
-from rollart.train.sharded_state import DCP_PREFIX, full_model_state, is_sharded_checkpoint
-from rollart.train.state_io import (
-    ENGINE_RNG,
-    LEGACY_ENGINE_RNG,
-    UnsafeCheckpointError,
-    engine_rng_state,
-)
 from rollart.types import Completion, GenerationRequest
 
+if TYPE_CHECKING:  # torch and the engines load in the worker that builds one (__init__)
+    import torch
+
+    from rollart.engines.base import InferenceEngine
+    from rollart.engines.weight_stream import WeightReceiver
+
+    class ServedEngine(InferenceEngine, Protocol):
+        """What this service uses of its engine beyond `InferenceEngine` (both backends have
+        it): the served model (checkpoint checks, fingerprints) and the sampling generator
+        (exact resume)."""
+
+        model: torch.nn.Module
+        generator: torch.Generator
+
 log = logging.getLogger("rollart")
-
-
-class ServedEngine(InferenceEngine, Protocol):
-    """What this service uses of its engine beyond `InferenceEngine` (both backends have it):
-    the served model (checkpoint checks, fingerprints) and the sampling generator (exact
-    resume)."""
-
-    model: torch.nn.Module
-    generator: torch.Generator
 
 
 class EngineService:
     """One inference engine replica (`engine.backend`: hf or vllm)."""
 
     def __init__(self, run: RunSpec, replica: int = 0) -> None:
+        import torch
+
+        from rollart.engines import make_engine
+        from rollart.models.policy import param_count
+
         self.run = run
         self.cfg = cfg = run.cfg
         set_call_timeout(cfg.cluster.call_timeout_s)  # calls made from this worker
         torch.set_num_threads(1)
         self.store = run.store()
-        model, tok = build_model(run)
+        # vLLM reads an HF directory itself: this service needs only its architecture (the
+        # parameter count), not a second copy of the weights to load, copy and free.
+        skeleton = cfg.engine.backend == "vllm" and cfg.model.source == "hf_dir"
+        model, tok = build_model(run, skeleton=skeleton)
         self.params = float(param_count(model))
         # Hardware class of this replica (cluster.engine_pools); emulated slowdowns only when
         # routing.emulation.enabled (benchmarks: every pool is the same CPU here; HF engine).
         self.hw_class = cfg.cluster.engine_classes(cfg.engine.replicas)[replica]
         pin_to_class(cfg.cluster.cpu_cores, self.hw_class)  # before vLLM binds its threads
         slow = emulation_factors(cfg).get(self.hw_class)
-        self.engine = cast(ServedEngine, make_engine(
+        self.engine = cast("ServedEngine", make_engine(
             cfg, model, tok, seed=cfg.seed * 1000 + replica, weight_version=-1,
             **({"emulate": slow} if slow is not None else {})))
         self.replica = replica
@@ -82,6 +79,8 @@ class EngineService:
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         # Thread settings are per OS thread under OpenMP, and actor methods run on their own
         # thread, so set them where the work happens.
+        import torch
+
         torch.set_num_threads(self.cfg.engine.threads)
         return self.engine.generate(requests)
 
@@ -95,6 +94,8 @@ class EngineService:
     def load_shared_weights(self, desc: SharedWeights) -> WeightsLoaded | None:
         """Copy weights from the trainer's shared-memory file (same host); None when this
         process cannot map it, so the caller sends the tensors instead."""
+        from rollart.engines.shared_weights import read_shared
+
         state = read_shared(dict(desc))
         if state is None:
             return None
@@ -104,6 +105,8 @@ class EngineService:
         """Listen for the trainer's next weights (rollart/engines/weight_stream.py) on this
         worker's own address; returns (host, port) for the trainer. `token` (random per sync,
         sent over the authenticated Dask connection) is what the upstream must prove."""
+        from rollart.engines.weight_stream import WeightReceiver
+
         self.abort_weight_stream()
         host = urlparse(self.identity.get("address") or "").hostname or "127.0.0.1"
         self._rx = WeightReceiver(host, token, timeout_s, buffers=self._rx_buffers)
@@ -112,6 +115,8 @@ class EngineService:
     def finish_weight_stream(self, timeout_s: float) -> WeightsStreamedIn:
         """Wait for the stream opened last, then serve its weights (between two generate calls,
         as every sync). Its tensors are received into again at the next sync."""
+        from rollart.storage.weights import retie
+
         rx, self._rx = self._rx, None
         if rx is None:
             raise RuntimeError("finish_weight_stream without open_weight_stream")
@@ -132,6 +137,10 @@ class EngineService:
 
     def pull_weights(self, version: int) -> WeightsPulled:
         """Load a published weight version from the store (`weights/v{version}/`)."""
+        import safetensors.torch
+
+        from rollart.storage.weights import load_weights_bytes, retie
+
         t0 = time.perf_counter()
         data, _ = load_weights_bytes(self.store, version)
         pull_s = time.perf_counter() - t0
@@ -146,6 +155,14 @@ class EngineService:
         are then checked against it. The store authenticates the manifest and every file read
         (rollart/storage/integrity.py): a forged or altered checkpoint raises
         CheckpointRefused, one line naming the file, before any weight is loaded."""
+        import safetensors.torch
+
+        from rollart.train.sharded_state import (
+            DCP_PREFIX,
+            full_model_state,
+            is_sharded_checkpoint,
+        )
+
         names = list(self.store.read_manifest(step)["files"])
         model, _ = build_model(self.run)
         if is_sharded_checkpoint(names):  # a sharded trainer's: every rank's pieces, joined
@@ -172,6 +189,15 @@ class EngineService:
         """Restore this replica's sampling generator from checkpoint `step` (if recorded). The
         state is safetensors (no pickle is ever loaded); an older checkpoint's `engine_rng.pt`
         is not read: this replica then samples from a fresh seed (one warning line)."""
+        import torch
+
+        from rollart.train.state_io import (
+            ENGINE_RNG,
+            LEGACY_ENGINE_RNG,
+            UnsafeCheckpointError,
+            engine_rng_state,
+        )
+
         files, _ = self.store.load_checkpoint(step, only=[ENGINE_RNG, LEGACY_ENGINE_RNG])
         if not files:
             return False

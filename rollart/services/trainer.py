@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
-from rollart.action_grammar import token_texts
 from rollart.cpu_pinning import pin_to_class
-from rollart.engines.shared_weights import SharedWeightsWriter, shm_dir
 from rollart.handles import set_call_timeout, worker_identity
 from rollart.models.run_model import build_model, param_checksum
 from rollart.run import RunSpec
 from rollart.service_protocols import SharedWeights, WeightsPublished, WeightsStreamedOut
-from rollart.storage.checkpointing import Checkpointer
-from rollart.train.distributed import Ranks, all_reduce_sum, destroy_group, init_group, local
-from rollart.train.sharded_state import load_pretrained
-from rollart.train.stream_out import stream_weights
-from rollart.train.trainer import Trainer
 from rollart.types import Trajectory
+
+if TYPE_CHECKING:  # torch and the trainer load in the worker that builds one (__init__)
+    import torch
+
+    from rollart.engines.shared_weights import SharedWeightsWriter
 
 
 class UpdateOutOfOrder(RuntimeError):
@@ -42,6 +38,14 @@ class TrainerService:
                  meet: tuple[str, int] | None = None) -> None:
         """`rank` of `world` trainer ranks, meeting at `meet` (rank 0's host and a free port
         there) when world > 1."""
+        import torch
+
+        from rollart.action_grammar import token_texts
+        from rollart.storage.checkpointing import Checkpointer
+        from rollart.train.distributed import Ranks, init_group
+        from rollart.train.sharded_state import load_pretrained
+        from rollart.train.trainer import Trainer
+
         self.cfg = cfg = run.cfg
         set_call_timeout(cfg.cluster.call_timeout_s)  # calls made from this worker
         pin_to_class(cfg.cluster.cpu_cores, cfg.cluster.stages["trainer"])
@@ -82,6 +86,8 @@ class TrainerService:
             raise UpdateOutOfOrder(
                 f"update for step {step} reached a trainer at step {self.trainer.step} "
                 f"(expected step {self.trainer.step + 1}): a re-run or lost update; refused")
+        import torch
+
         torch.set_num_threads(self.cfg.train.threads)
         metrics = self.trainer.update(trajs)
         metrics["train/samples_consumed"] = float(self.ckpt.record_update(
@@ -99,6 +105,8 @@ class TrainerService:
         """The current weights straight to the engines listening at `chain` (a pipeline:
         each forwards to the next); every rank gathers, rank 0 sends (rollart/train/
         stream_out.py)."""
+        from rollart.train.stream_out import stream_weights
+
         sent = stream_weights(self.trainer, [(a[0], a[1]) for a in chain], token, timeout_s)
         return cast(WeightsStreamedOut, {**sent, "version": self.trainer.version})
 
@@ -110,12 +118,16 @@ class TrainerService:
 
     def close(self) -> None:
         """Leave the trainer group (the run's end, or before its services are rebuilt)."""
+        from rollart.train.distributed import destroy_group
+
         if self.ranks.sharded:
             destroy_group()
 
     def share_weights(self) -> SharedWeights:
         """Copy the current weights into this trainer's shared-memory file; returns the small
         descriptor engines on this host map (rollart/engines/shared_weights.py)."""
+        from rollart.engines.shared_weights import SharedWeightsWriter, shm_dir
+
         if self._shared is None:
             path = shm_dir() / f"rollart-{self._run_id}-{os.getpid()}.weights"
             self._shared = SharedWeightsWriter(path)
@@ -169,6 +181,10 @@ class TrainerService:
     def fingerprint(self) -> float:
         if not self.ranks.sharded:
             return param_checksum(self.trainer.model)
+        import torch
+
+        from rollart.train.distributed import all_reduce_sum, local
+
         with torch.no_grad():  # sum of |w| over every rank's shards
             part = sum(local(p).detach().double().abs().sum()
                        for p in self.trainer.policy.parameters())

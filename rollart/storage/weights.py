@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
-
-import safetensors.torch
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rollart.storage.files import crc32
 from rollart.storage.s3 import StorageError
 from rollart.storage.store import MANIFEST, RunStore
+
+if TYPE_CHECKING:  # safetensors loads where tensors are (de)serialized: not in the flow process
+    import torch
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -37,6 +37,8 @@ def tie_key(v: torch.Tensor) -> tuple[int, int, torch.dtype]:
 
 def serialize_weights(state: dict[str, torch.Tensor]) -> bytes:
     """safetensors bytes; tied tensors are stored once, under the first key."""
+    import safetensors.torch
+
     seen: set[tuple[int, int, torch.dtype]] = set()
     out: dict[str, torch.Tensor] = {}
     for k, v in state.items():
@@ -93,6 +95,8 @@ def load_weights_bytes(store: RunStore, version: int) -> tuple[bytes, dict[str, 
 
 def load_weights(store: RunStore, version: int) -> dict[str, torch.Tensor]:
     data, _ = load_weights_bytes(store, version)
+    import safetensors.torch
+
     return safetensors.torch.load(data)
 
 

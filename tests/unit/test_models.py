@@ -158,3 +158,34 @@ def test_reloaded_weights_do_not_live_in_the_file_map(tmp_path):
     assert inside == []
     emb = model2.get_input_embeddings().weight
     assert model2.get_output_embeddings().weight is emb  # tied weights stay tied
+
+
+@pytest.mark.parametrize(("backend", "loads_weights"), [("vllm", False), ("hf", True)])
+def test_an_engine_service_loads_an_hf_directory_only_for_an_engine_that_serves_it(
+        tmp_path, monkeypatch, backend, loads_weights):
+    """vLLM reads the directory itself: the engine service builds the architecture without
+    weights (for its parameter count); the HF engine serves the module it is given."""
+    import rollart.engines
+    import rollart.models.policy as policy
+    from rollart.config import load_config
+    from rollart.run import RunSpec
+    from rollart.services.engine import EngineService
+
+    model, tok = load_policy(ModelConfig(), CORPUS, seed=3)
+    save_hf_dir(model, tok, tmp_path / "policy")
+    cfg = load_config(None, [f"storage.root={tmp_path / 'store'}", "model.source=hf_dir",
+                             f"model.path={tmp_path / 'policy'}", f"engine.backend={backend}"])
+    loaded, served = [], []
+    real_load = policy.load_policy
+    monkeypatch.setattr(policy, "load_policy",
+                        lambda *a, **k: loaded.append(1) or real_load(*a, **k))
+
+    class Served:
+        weight_version = -1
+
+    monkeypatch.setattr(rollart.engines, "make_engine",
+                        lambda cfg, model, tok, **kw: served.append(model) or Served())
+    svc = EngineService(RunSpec(cfg, "engine-build"), 0)
+    assert bool(loaded) == loads_weights
+    assert all(p.is_meta for p in served[0].parameters()) != loads_weights
+    assert svc.param_count() == param_count(model)
