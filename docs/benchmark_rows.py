@@ -105,6 +105,21 @@ def _owned_weights(d: dict) -> str:
             f"s less")
 
 
+def _engine_compile(d: dict) -> str:
+    c, e = d["median"]["compiled"], d["median"]["eager"]
+    saved, ratio = d["first_step_saved_s_per_round"], d["later_step_ratio_per_round"]
+    return (f"first multi-turn step {c['first_step_s']:.2f} s with vLLM's sampler helpers "
+            f"compiled, {e['first_step_s']:.2f} s eager (**{_r(min(saved), max(saved))} s** "
+            f"saved per round); later steps compiled / eager {_r(min(ratio), max(ratio))}x")
+
+
+def _startup(d: dict) -> str:
+    b, t, per = d["median"]["baseline"], d["median"]["this"], d["startup_speedup_per_round"]
+    return (f"start-up {b['startup_s']:.1f} s before, **{t['startup_s']:.1f} s** after "
+            f"(medians; rounds {_r(min(per), max(per))}x); whole command {b['wall_s']:.1f} "
+            f"against {t['wall_s']:.1f} s")
+
+
 def _checkpoint_snapshot(d: dict) -> str:
     s = d["summary"]
     snap, whole = s["snapshot_s_ratio_per_round"], s["total_s_ratio_per_round"]
@@ -324,6 +339,12 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl_trl_seeds3-4_intel_again.json "
      "results/agentic_vs_trl_seeds0-4_intel_block32_baseline.json",
      "agentic_vs_trl_matched_intel_session_before.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched, both sides timed in the same hours, the start-up as "
+     "it is now (seeds 0-4, Intel Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_trl_seeds0-4_intel_third.json "
+     "--out results/agentic_vs_trl_seeds0-4_intel_light.json",
+     "agentic_vs_trl_seeds0-4_intel_light.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
@@ -337,6 +358,12 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "trainer_heap.json", _trainer_heap),
     ("First optimizer step on file-mapped and owned weights",
      "python benchmarks/owned_weights.py --rounds 5", "owned_weights.json", _owned_weights),
+    ("vLLM's sampler helpers compiled or eager, multi-turn engine steps",
+     "python benchmarks/engine_compile.py --rounds 3", "engine_compile.json", _engine_compile),
+    ("Start-up of a SmolLM2 run (vLLM engine), against the previous commit",
+     "python benchmarks/startup.py --baseline BASELINE_CHECKOUT --rounds 3 --config "
+     "configs/smollm2-guess.yaml --set ... (the sets in the file) --out "
+     "results/startup_smollm2_light.json", "startup_smollm2_light.json", _startup),
     ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "
      "--dir /tmp",
      "checkpoint_snapshot.json", _checkpoint_snapshot),
