@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,14 +79,10 @@ def child(variant: str, model_dir: str, steps: int) -> dict[str, Any]:
 
 
 def run_child(variant: str, model_dir: str, steps: int) -> dict[str, Any]:
-    from infra.dask_cluster import WORKER_ENVIRON
+    from benchmarks.owned_weights import in_fresh_process
 
-    env = {**os.environ, **{k: str(v) for k, v in WORKER_ENVIRON.items()},
-           "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, __file__, "--child", variant, "--model", model_dir,
-                          "--steps", str(steps)], env=env, capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return in_fresh_process(__file__, "--child", variant, "--model", model_dir,
+                            "--steps", str(steps))
 
 
 def main() -> None:

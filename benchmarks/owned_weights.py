@@ -62,14 +62,20 @@ def child(variant: str, model_dir: str) -> dict[str, float]:
     return {"load_s": load_s, "first_step_s": steps[0], "second_step_s": steps[1]}
 
 
-def run_child(variant: str, model_dir: str) -> dict[str, float]:
+def in_fresh_process(script: str, *args: str) -> dict[str, Any]:
+    """`python script ARGS` in a fresh process with the workers' malloc settings
+    (infra/dask_cluster.WORKER_ENVIRON); the JSON object its last line of output prints."""
     from infra.dask_cluster import WORKER_ENVIRON
 
     env = {**os.environ, **{k: str(v) for k, v in WORKER_ENVIRON.items()},
            "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, __file__, "--child", variant, "--model", model_dir],
-                         env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, script, *args], env=env, capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_child(variant: str, model_dir: str) -> dict[str, float]:
+    return in_fresh_process(__file__, "--child", variant, "--model", model_dir)
 
 
 def main() -> None:

@@ -361,8 +361,12 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("vLLM's sampler helpers compiled or eager, multi-turn engine steps",
      "python benchmarks/engine_compile.py --rounds 3", "engine_compile.json", _engine_compile),
     ("Start-up of a SmolLM2 run (vLLM engine), against the previous commit",
-     "python benchmarks/startup.py --baseline BASELINE_CHECKOUT --rounds 3 --config "
-     "configs/smollm2-guess.yaml --set ... (the sets in the file) --out "
+     "python benchmarks/startup.py --baseline <checkout of the previous commit> --rounds 3 "
+     "--config configs/smollm2-guess.yaml --set engine.backend=vllm --set "
+     "engine.vllm.kv_cache_mb=1024 --set rollout.num_groups=2 --set rollout.group_size=4 "
+     "--set eval.episodes=0 --set eval.before_training=false --set 'tasks=[{\"name\":"
+     "\"guess\",\"env_id\":\"guess\",\"env_kwargs\":{\"low\":1,\"high\":16,"
+     "\"show_range\":true},\"max_turns\":2,\"constrained\":true}]' --out "
      "results/startup_smollm2_light.json", "startup_smollm2_light.json", _startup),
     ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "
      "--dir /tmp",
