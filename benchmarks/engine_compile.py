@@ -2,10 +2,11 @@
 
 vLLM compiles two small sampler helpers with inductor even when the model runs eagerly
 (`enforce_eager`): on CPU the first call builds C++ and probes the compiler in a subprocess,
-and shapes it has not seen compile again. `rollart.engines.vllm_engine.VLLMEngine` turns
-TorchDynamo off in its process on CPU with `enforce_eager` (the default there), so they run
-eagerly. Each round starts both variants, each in a fresh process with the engine worker's
-malloc settings (infra/dask_cluster.WORKER_ENVIRON) and 2 torch threads, and plays
+and shapes it has not seen compile again. `rollart.engines.vllm_engine.VLLMEngine` sets
+torch's compiler stance to eager for its whole process on CPU with `enforce_eager` (the
+default there), so they run eagerly. As in a Dask worker, the engine is built on one thread
+and generates on another. Each round starts both variants, each in a fresh process with the
+engine worker's malloc settings (infra/dask_cluster.WORKER_ENVIRON) and 2 torch threads, and plays
 `--steps` steps of a multi-turn workload shaped like the guess game: 8 conversations of a
 100-token prompt, 6 turns each of 4 sampled tokens and 34 tokens of observation, the prefix
 cache reused between turns, each step after a weight sync (the same weights, written in
@@ -26,6 +27,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,8 @@ def child(variant: str, model_dir: str, steps: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = VLLMEngine(model_dir, tok, kv_cache_mb=1024)
     init_s = time.perf_counter() - t0
-    import torch._dynamo
-
-    torch._dynamo.config.disable = variant == "eager"  # "compiled": vLLM's own behaviour
+    if variant == "compiled":  # vLLM's own behaviour: undo the engine's eager stance
+        torch.compiler.set_stance("default")
     torch.set_num_threads(2)
     state = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True).state_dict().items()}
@@ -69,11 +70,15 @@ def child(variant: str, model_dir: str, steps: int) -> dict[str, Any]:
                 c += out.token_ids + [rng.randrange(100, 40000) for _ in range(34)]
         return time.perf_counter() - t
 
-    first = step()
-    later = []
-    for _ in range(steps):
+    def synced_step() -> float:
         engine.update_weights(engine.weight_version + 1, state)
-        later.append(step())
+        return step()
+
+    # Another thread than the engine's constructor, as a Dask actor's calls run.
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads,
+                            initargs=(2,)) as calls_thread:
+        first = calls_thread.submit(step).result()
+        later = [calls_thread.submit(synced_step).result() for _ in range(steps)]
     return {"init_s": init_s, "first_step_s": first, "later_steps_s": later,
             "later_median_s": statistics.median(later)}
 

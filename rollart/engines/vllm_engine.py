@@ -122,9 +122,9 @@ class VLLMEngine:
             # its first step on a 2-core host, later steps unchanged: benchmarks/
             # engine_compile.py), for ops eager torch runs in microseconds at these batch
             # sizes. The process is this engine's worker: nothing else in it compiles.
-            from torch import _dynamo
-
-            _dynamo.config.disable = True
+            # Process-wide: `torch._dynamo.config.disable` is per thread, and a Dask worker
+            # builds this engine on one thread and calls it on another.
+            torch.compiler.set_stance("force_eager")
         if self.on_cpu:  # the CPU backend otherwise sizes the KV cache from all host memory
             kwargs["kv_cache_memory_bytes"] = kv_cache_mb << 20
             # Prefix-cache hits are whole blocks: with the CPU default (128) every turn of a

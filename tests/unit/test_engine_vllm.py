@@ -117,10 +117,26 @@ def test_logprobs_match_trainer_and_update_changes_output(engine, tok):
 def test_an_eager_cpu_engine_runs_vllms_sampler_helpers_uncompiled(engine):
     """vLLM compiles two sampler helpers with inductor even in eager mode; on CPU that is a
     C++ build in the first rollout (benchmarks/engine_compile.py), so the engine's process runs
-    them eagerly. The generation tests in this module run under this setting."""
-    from torch import _dynamo
+    them eagerly. On every thread: a Dask worker builds the engine on one thread and calls it
+    on another. The generation tests in this module run under this setting."""
+    import threading
 
-    assert engine.on_cpu and _dynamo.config.disable
+    compiled: list[str] = []
+
+    def backend(gm, example_inputs):  # what torch.compile would hand its compiler
+        compiled.append(gm.code)
+        return gm.forward
+
+    @torch.compile(backend=backend)
+    def count_greater(x, v):  # the shape of vLLM's `batched_count_greater_than`
+        return (x >= v).sum(-1)
+
+    out: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: out.append(
+        count_greater(torch.tensor([[0.1, 0.5, 0.9]]), torch.tensor([[0.5]]))))
+    worker.start()
+    worker.join()
+    assert engine.on_cpu and out[0].tolist() == [2] and compiled == []
 
 
 def test_finishing_rules_and_abort(engine, tok):
