@@ -139,6 +139,37 @@ def test_an_eager_cpu_engine_runs_vllms_sampler_helpers_uncompiled(engine):
     assert engine.on_cpu and out[0].tolist() == [2] and compiled == []
 
 
+def test_at_exit_an_open_engine_releases_only_what_outlives_the_process(engine, monkeypatch):
+    """At the process's exit an open engine's process-group file and temp model dir go, and
+    neither rollart's nor vLLM's finalizer runs vLLM's engine-core shutdown (full garbage
+    collections of memory the exit frees anyway); a closed engine is not released again."""
+    import weakref
+
+    from rollart.engines import vllm_engine
+
+    assert engine._finalizer.atexit is False
+    assert engine._engine.engine_core._finalizer.atexit is False  # vLLM's own, found
+
+    released: list[str] = []
+    shut: list[str] = []
+    monkeypatch.setattr(vllm_engine, "_release", released.append)
+
+    class Open:
+        pass
+
+    class Closed:
+        pass
+
+    still_open, closed = Open(), Closed()
+    open_finalizer = weakref.finalize(still_open, shut.append, "open")
+    closed_finalizer = weakref.finalize(closed, shut.append, "closed")
+    closed_finalizer()  # its full shutdown ran
+    vllm_engine._release_at_exit(open_finalizer, "/tmp/owned-open")
+    vllm_engine._release_at_exit(closed_finalizer, "/tmp/owned-closed")
+    del still_open
+    assert released == ["/tmp/owned-open"] and shut == ["closed"]
+
+
 def test_finishing_rules_and_abort(engine, tok):
     chat = ChatFormat(tok)
     p = prompts(tok, 1, seed=5)[0]
