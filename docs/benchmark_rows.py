@@ -120,6 +120,16 @@ def _startup(d: dict) -> str:
             f"against {t['wall_s']:.1f} s")
 
 
+def _run_end(d: dict) -> str:
+    b, t = d["median"]["baseline"], d["median"]["this"]
+    per = [x["finish_s"] for x in d["runs"]["this"]]
+    return (f"first iteration {b['first_iteration_s']:.1f} s before, "
+            f"**{t['first_iteration_s']:.1f} s** after; from the first row to the command's "
+            f"exit {b['finish_s']:.1f} s before, **{t['finish_s']:.1f} s** after (medians; "
+            f"after: {_r(min(per), max(per))} s); whole command {b['wall_s']:.1f} against "
+            f"{t['wall_s']:.1f} s")
+
+
 def _checkpoint_snapshot(d: dict) -> str:
     s = d["summary"]
     snap, whole = s["snapshot_s_ratio_per_round"], s["total_s_ratio_per_round"]
@@ -339,12 +349,26 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl_trl_seeds3-4_intel_again.json "
      "results/agentic_vs_trl_seeds0-4_intel_block32_baseline.json",
      "agentic_vs_trl_matched_intel_session_before.json", _agentic_vs_trl),
-    ("Against TRL, guess game, matched, both sides timed in the same hours, the start-up as "
-     "it is now (seeds 0-4, Intel Xeon host)",
+    ("Against TRL, guess game, matched, both sides timed in the same hours, the start-up "
+     "without the worker exit and the eager sampler on every thread (seeds 0-4, Intel Xeon "
+     "host)",
      "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
      "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_trl_seeds0-4_intel_third.json "
      "--out results/agentic_vs_trl_seeds0-4_intel_light.json",
      "agentic_vs_trl_seeds0-4_intel_light.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched, both sides timed in the same hours (seeds 0-4, Intel "
+     "Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_trl_seeds0-4_intel_fourth.json "
+     "--out results/agentic_vs_trl_seeds0-4_intel_exit.json",
+     "agentic_vs_trl_seeds0-4_intel_exit.json", _agentic_vs_trl),
+    ("Against TRL, guess game, dynamic sampling, both sides timed in the same hours (seeds "
+     "0-4, Intel Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--resample-uniform 2 --seeds 0,1,2,3,4 --trl-from "
+     "results/agentic_vs_trl_trl_seeds0-4_intel_fourth.json --out "
+     "results/agentic_vs_trl_resample_seeds0-4_intel_exit.json",
+     "agentic_vs_trl_resample_seeds0-4_intel_exit.json", _agentic_vs_trl),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
@@ -368,6 +392,16 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "\"guess\",\"env_id\":\"guess\",\"env_kwargs\":{\"low\":1,\"high\":16,"
      "\"show_range\":true},\"max_turns\":2,\"constrained\":true}]' --out "
      "results/startup_smollm2_light.json", "startup_smollm2_light.json", _startup),
+    ("First iteration and end of a SmolLM2 run (vLLM engine), against the commit before "
+     "the worker exit and the eager sampler on every thread",
+     "python benchmarks/startup.py --baseline <checkout of that commit> --rounds 3 "
+     "--config configs/smollm2-guess.yaml --set engine.backend=vllm --set "
+     "engine.vllm.kv_cache_mb=1024 --set rollout.num_groups=2 --set rollout.group_size=4 "
+     "--set eval.episodes=0 --set eval.before_training=false --set 'tasks=[{\"name\":"
+     "\"guess\",\"env_id\":\"guess\",\"env_kwargs\":{\"low\":1,\"high\":16,"
+     "\"show_range\":true},\"max_turns\":2,\"constrained\":true}]' --out "
+     "results/startup_smollm2_exit.json",
+     "startup_smollm2_exit.json", _run_end),
     ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "
      "--dir /tmp",
      "checkpoint_snapshot.json", _checkpoint_snapshot),
