@@ -154,8 +154,8 @@ class VLLMEngine:
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, owned_dir)
         # At the process's exit only what outlives the process is released (`_release_at_exit`):
-        # vLLM's engine-core shutdown frees memory with full garbage collections (~1.7 s at the
-        # end of a run on a 2-core host) that the exit frees anyway.
+        # vLLM's engine-core shutdown frees memory with full garbage collections that the exit
+        # frees anyway, at the end of every run (results/startup_smollm2_exit.json, finish_s).
         self._finalizer.atexit = False
         core_finalizer = getattr(self._engine.engine_core, "_finalizer", None)
         if isinstance(core_finalizer, weakref.finalize):  # vLLM's own, for the same shutdown
