@@ -362,6 +362,11 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_trl_seeds0-4_intel_fourth.json "
      "--out results/agentic_vs_trl_seeds0-4_intel_exit.json",
      "agentic_vs_trl_seeds0-4_intel_exit.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched, the same an hour later (seeds 0-4, Intel Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
+     "--seeds 0,1,2,3,4 --trl-from results/agentic_vs_trl_trl_seeds0-4_intel_fourth.json "
+     "--out results/agentic_vs_trl_seeds0-4_intel_exit_rerun.json",
+     "agentic_vs_trl_seeds0-4_intel_exit_rerun.json", _agentic_vs_trl),
     ("Against TRL, guess game, dynamic sampling, both sides timed in the same hours (seeds "
      "0-4, Intel Xeon host)",
      "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained --frameworks rollart "
