@@ -274,6 +274,17 @@ def _multitask(d: dict) -> str:
 
 
 # (title, command, results file, headline extractor)
+def _startup_smollm2(baseline: str, out: str) -> str:
+    """The SmolLM2 start-up command (light guess task, vLLM engine) against `baseline`."""
+    return ("python benchmarks/startup.py --baseline <checkout of " + baseline + "> --rounds 3 "
+            "--config configs/smollm2-guess.yaml --set engine.backend=vllm --set "
+            "engine.vllm.kv_cache_mb=1024 --set rollout.num_groups=2 --set rollout.group_size=4 "
+            "--set eval.episodes=0 --set eval.before_training=false --set 'tasks=[{\"name\":"
+            "\"guess\",\"env_id\":\"guess\",\"env_kwargs\":{\"low\":1,\"high\":16,"
+            "\"show_range\":true},\"max_turns\":2,\"constrained\":true}]' --out "
+            "results/" + out)
+
+
 BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Quickstart (`make venv`, `make train`)", "python benchmarks/quickstart.py --runs 2",
      "quickstart.json", _quickstart),
@@ -390,22 +401,11 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("vLLM's sampler helpers compiled or eager, multi-turn engine steps",
      "python benchmarks/engine_compile.py --rounds 3", "engine_compile.json", _engine_compile),
     ("Start-up of a SmolLM2 run (vLLM engine), against the previous commit",
-     "python benchmarks/startup.py --baseline <checkout of the previous commit> --rounds 3 "
-     "--config configs/smollm2-guess.yaml --set engine.backend=vllm --set "
-     "engine.vllm.kv_cache_mb=1024 --set rollout.num_groups=2 --set rollout.group_size=4 "
-     "--set eval.episodes=0 --set eval.before_training=false --set 'tasks=[{\"name\":"
-     "\"guess\",\"env_id\":\"guess\",\"env_kwargs\":{\"low\":1,\"high\":16,"
-     "\"show_range\":true},\"max_turns\":2,\"constrained\":true}]' --out "
-     "results/startup_smollm2_light.json", "startup_smollm2_light.json", _startup),
+     _startup_smollm2("the previous commit", "startup_smollm2_light.json"),
+     "startup_smollm2_light.json", _startup),
     ("First iteration and end of a SmolLM2 run (vLLM engine), against the commit before "
      "the worker exit and the eager sampler on every thread",
-     "python benchmarks/startup.py --baseline <checkout of that commit> --rounds 3 "
-     "--config configs/smollm2-guess.yaml --set engine.backend=vllm --set "
-     "engine.vllm.kv_cache_mb=1024 --set rollout.num_groups=2 --set rollout.group_size=4 "
-     "--set eval.episodes=0 --set eval.before_training=false --set 'tasks=[{\"name\":"
-     "\"guess\",\"env_id\":\"guess\",\"env_kwargs\":{\"low\":1,\"high\":16,"
-     "\"show_range\":true},\"max_turns\":2,\"constrained\":true}]' --out "
-     "results/startup_smollm2_exit.json",
+     _startup_smollm2("that commit", "startup_smollm2_exit.json"),
      "startup_smollm2_exit.json", _run_end),
     ("Checkpoint snapshot and write", "python benchmarks/checkpoint_snapshot.py --rounds 2 "
      "--dir /tmp",
