@@ -87,6 +87,14 @@ def _agentic_vs_trl(d: dict) -> str:
             f"held-out gain {d['rollart_success_gain']:.3f} vs TRL {d['trl_success_gain']:.3f}")
 
 
+def _agentic_gains(d: dict) -> str:
+    n = len(d["seeds"])
+    return (f"held-out gain over {n} seeds rollart **{d['rollart_success_gain']:.3f}** (sd "
+            f"{d['rollart_success_gain_sd']:.3f}) vs TRL **{d['trl_success_gain']:.3f}** (sd "
+            f"{d['trl_success_gain_sd']:.3f}); standard error of the difference "
+            f"{d['success_gain_diff_se']:.3f}")
+
+
 def _trainer_heap(d: dict) -> str:
     g, r = d["summary"]["glibc_default"], d["summary"]["rollart"]
     return (f"SmolLM2-135M updates in a worker, glibc's heap policy / rollart's: first two "
@@ -385,6 +393,17 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl_trl_seeds0-4_intel_fourth.json --out "
      "results/agentic_vs_trl_resample_seeds0-4_intel_exit.json",
      "agentic_vs_trl_resample_seeds0-4_intel_exit.json", _agentic_vs_trl),
+    ("Against TRL, guess game, matched, each seed's two runs back to back (seeds 10-19, Intel "
+     "Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained "
+     "--seeds 10,11,12,13,14,15,16,17,18,19 --out results/agentic_vs_trl_seeds10-19_intel.json",
+     "agentic_vs_trl_seeds10-19_intel.json", _agentic_vs_trl),
+    ("Against TRL, guess game, held-out gain over twenty seeds (gains only: the runs come from "
+     "several hosts and days)",
+     "python benchmarks/agentic_results.py --out results/agentic_vs_trl_seeds0-19_pooled.json "
+     "results/agentic_vs_trl.json results/agentic_vs_trl_seeds4-5.json "
+     "results/agentic_vs_trl_seeds6-9.json results/agentic_vs_trl_seeds10-19_intel.json",
+     "agentic_vs_trl_seeds0-19_pooled.json", _agentic_gains),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
