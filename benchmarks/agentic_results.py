@@ -184,6 +184,28 @@ def pooled(files: list[str], only: list[int] | None = None) -> dict[str, Any]:
         out[f"{fw}_success_gain_sd"] = sds[fw][0] if sds[fw] else None
     if sds["rollart"] and sds["trl"]:
         out["success_gain_diff_se"] = sum(sd * sd / n for sd, n in sds.values()) ** 0.5
+    out["train_success_by_steps"] = train_success_by_steps(runs)
+    return out
+
+
+def step_success(run: dict[str, Any]) -> list[float]:
+    """Training success of each step of a run (rollart's rows; TRL's `per_step`)."""
+    if run["framework"] == "rollart":
+        return list(run["success_rate"])
+    return [s["success_rate"] for s in run["per_step"]]
+
+
+def train_success_by_steps(runs: list[dict[str, Any]], block: int = 5) -> dict[str, Any]:
+    """Each side's mean training success over every `block` steps, mean over its seeds (both
+    sides play the same env seeds each step): where the two sides' learning parts."""
+    out: dict[str, Any] = {"block": block}
+    for fw in ("rollart", "trl"):
+        per = [step_success(r) for r in runs if r["framework"] == fw]
+        if not per:
+            continue
+        n = min(len(x) for x in per)
+        out[fw] = [statistics.mean(statistics.mean(x[k:k + block]) for x in per)
+                   for k in range(0, n, block)]
     return out
 
 

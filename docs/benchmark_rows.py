@@ -281,7 +281,6 @@ def _multitask(d: dict) -> str:
     return "held-out greedy success " + ", ".join(out) if out else d["summary"]
 
 
-# (title, command, results file, headline extractor)
 def _startup_smollm2(baseline: str, out: str) -> str:
     """The SmolLM2 start-up command (light guess task, vLLM engine) against `baseline`."""
     return ("python benchmarks/startup.py --baseline <checkout of " + baseline + "> --rounds 3 "
@@ -293,6 +292,7 @@ def _startup_smollm2(baseline: str, out: str) -> str:
             "results/" + out)
 
 
+# (title, command, results file, headline extractor)
 BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Quickstart (`make venv`, `make train`)", "python benchmarks/quickstart.py --runs 2",
      "quickstart.json", _quickstart),

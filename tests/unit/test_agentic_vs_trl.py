@@ -178,7 +178,10 @@ def test_held_out_seeds_cover_every_secret_above_the_training_range():
 def _run(fw: str, seed: int, wall: float, tokens: int, steps: int, success: float) -> dict:
     return {"framework": fw, "seed": seed, "wall_s": wall, "step_s": [wall / 4] * 4,
             "tally": {"model_tokens": tokens, "env_steps": steps},
-            "held_out": {"success_rate": success}}
+            "held_out": {"success_rate": success},
+            # per-step training success, as each side records it
+            **({"success_rate": [success] * 4} if fw == "rollart"
+               else {"per_step": [{"success_rate": success}] * 4})}
 
 
 def test_summary_ratios_and_gains():
@@ -349,6 +352,19 @@ def test_pooled_summary_over_files_by_hand(tmp_path):
     assert one["rollart_success_gain_per_seed"] == {"1": 0.5}
     with pytest.raises(SystemExit, match="other settings"):
         pooled([a, write("c.json", [], {**m, "steps": 4})])
+
+
+def test_training_success_by_blocks_of_steps_by_hand():
+    """Per side: the mean over seeds of each seed's mean success over every block of steps."""
+    from benchmarks.agentic_results import train_success_by_steps
+
+    runs = [{"framework": "rollart", "seed": 0, "success_rate": [0.0, 0.5, 1.0]},
+            {"framework": "rollart", "seed": 1, "success_rate": [0.5, 0.5, 0.0]},
+            {"framework": "trl", "seed": 0,
+             "per_step": [{"success_rate": x} for x in (0.25, 0.25, 0.5)]}]
+    got = train_success_by_steps(runs, block=2)
+    # rollart: seed 0 blocks 0.25, 1.0; seed 1 blocks 0.5, 0.0 -> 0.375, 0.5
+    assert got == {"block": 2, "rollart": [0.375, 0.5], "trl": [0.25, 0.5]}
 
 
 def test_rates_count_set_aside_episodes_and_trained_ones_apart():
