@@ -1,0 +1,229 @@
+"""Does rollart learn the guess task as TRL would from the same samples? Three checks.
+
+agentic_vs_trl.py matches the two frameworks' settings; this checks that the matched settings
+give the same learning step, with each side's own code, on batches a real run produced.
+
+1. **The run's engine samples the policy it trains.** A `rollart train` run with the
+   comparison's settings (`agentic_vs_trl.rollart_overrides`: vLLM engine, constrained
+   sampling, on-policy) except `algo.constrained_logprobs: restricted`, so the trainer takes its
+   log-probs under the same token bag and temperature as the engine's: each update's
+   `train/logprob_mismatch` (mean |trainer - engine| log-prob of the sampled tokens) is then 0
+   up to float32 rounding when the engine holds the trainer's weights, and `train/staleness_max`
+   is 0 when every token came from the latest version.
+2. **The run trained exactly its stored batches.** A fresh `Trainer` built as the flow's
+   trainer service builds it (the run's own config.yaml) replays the run's stored trajectories,
+   iteration by iteration; its weights must equal the run's final checkpoint.
+3. **rollart's update is TRL's.** The same stored batches go through rollart's `Trainer` with
+   the comparison's loss settings (`constrained_logprobs: vocab`, as TRL's loss) and through
+   TRL 1.16's `GRPOTrainer` with the comparison's `GRPOConfig` (peer venv,
+   `benchmarks/peer_trl_replay.py`; its rollout_func returns each recorded batch and TRL computes
+   advantages, loss and AdamW step itself), from the same weights. Compared: each step's
+   gradient norm, the gradient of the first step with signal, and the weights after the last
+   step, relative to how far the weights moved.
+
+Tolerances (`TOLERANCE`): both sides compute in float32 with different summation orders
+(~1e-6 relative per reduction). AdamW's first steps move every weight by ~lr whatever its
+gradient's size, so a component whose tiny gradient flips sign between the two sums moves the
+other way; that lifts the weight comparison to ~1e-4 of the weight change. A real difference
+in the objective (another aggregation, a mask off by one token, another advantage) changes the
+gradient by O(0.1) or more.
+
+    make peer && .venv/bin/python benchmarks/agentic_update_check.py --steps 8 --seed 10
+        # -> results/agentic_update_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.agentic_episodes import Match, trl_sample  # noqa: E402
+from benchmarks.agentic_results import final_state, host_facts  # noqa: E402
+from benchmarks.agentic_vs_trl import PEER_PY, rollart_overrides, run_rollart  # noqa: E402
+from rollart.config import RunConfig, load_config  # noqa: E402
+from rollart.types import Trajectory  # noqa: E402
+
+PEER = ROOT / "benchmarks/peer_trl_replay.py"
+TOLERANCE = {"logprob_mismatch": 1e-3, "checkpoint_rel_diff": 1e-3,
+             "gradient_rel_diff": 1e-3, "weights_rel_diff": 1e-3}
+Weights = dict[str, torch.Tensor]
+
+
+def stored_batches(run_dir: Path) -> list[list[Trajectory]]:
+    """Each iteration's stored trajectories, groups consecutive (as TRL lays a batch out)."""
+    import pyarrow.parquet as pq
+
+    from rollart.types import table_to_trajectories
+
+    out = []
+    for f in sorted((run_dir / "trajectories").glob("*/*.parquet")):
+        trajs = table_to_trajectories(pq.read_table(f))
+        out.append(sorted(trajs, key=lambda t: (t.group_id, t.sample_id)))
+    return out
+
+
+def engine_on_policy(run_dir: Path) -> dict[str, Any]:
+    """Check 1 from the run's metrics: the mismatch of every update that had signal."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("iteration", -1) >= 0 and "train/staleness_max" in r]
+    gaps = [r.get("train/logprob_mismatch") for r in rows]
+    worst = max((g for g in gaps if g is not None), default=None)
+    return {"logprob_mismatch": gaps, "logprob_mismatch_max": worst,
+            "staleness_max": max(r["train/staleness_max"] for r in rows),
+            "updates_without_signal": sum(g is None for g in gaps)}
+
+
+def replay(cfg: RunConfig, batches: list[list[Trajectory]],
+           grad_step: int | None = None) -> tuple[torch.nn.Module, list[dict[str, float]],
+                                                 Weights | None]:
+    """A fresh trainer as the flow's trainer service builds it (rollart/services/trainer.py),
+    through `batches` in order: (model, each update's metrics, the gradient of update
+    `grad_step` (1-based) as the optimizer stepped it, after clipping)."""
+    from rollart.action_grammar import token_texts
+    from rollart.models.policy import load_policy
+    from rollart.train.trainer import Trainer
+
+    torch.manual_seed(cfg.seed)
+    model, tok = load_policy(cfg.model, None, cfg.seed)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    trainer = Trainer(model, cfg.algo, cfg.train, temperature=cfg.engine.temperature,
+                      pad_id=int(pad), token_texts=token_texts(tok))
+    metrics, grads = [], None
+    for k, trajs in enumerate(batches, 1):
+        metrics.append(trainer.update(trajs))
+        if k == grad_step:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return model, metrics, grads
+
+
+def rel_diff(a: Weights, b: Weights, ref: Weights | None = None) -> float:
+    """|a - b| / |b - ref| over every tensor of b (|b| without `ref`)."""
+    num = sum(float(((a[k] - b[k]).double() ** 2).sum()) for k in b)
+    den = sum(float(((b[k] - (ref[k] if ref else 0)).double() ** 2).sum()) for k in b)
+    return math.sqrt(num / den) if den else float("inf")
+
+
+def max_abs(a: Weights, b: Weights) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def params(model: torch.nn.Module) -> Weights:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def trl_replay(m: Match, model_dir: str, batches: list[list[Trajectory]], seed: int,
+               grad_step: int, work: Path, threads: int) -> tuple[Weights, Weights, list[dict]]:
+    """Check 3's TRL side, in the peer venv: (final weights, gradient of `grad_step`, steps)."""
+    data = work / "batches.json"
+    steps = [[{**trl_sample(t), "reward": float(t.reward or 0.0)} for t in b] for b in batches]
+    data.write_text(json.dumps({"match": m.to_json(), "steps": steps}))
+    out = work / "trl"
+    done = subprocess.run([str(PEER_PY), str(PEER), "--model", model_dir, "--batches",
+                           str(data), "--seed", str(seed), "--threads", str(threads),
+                           "--grad-step", str(grad_step), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{done.stderr[-3000:]}\nTRL's replay failed (run `make peer` first)")
+    return (safetensors.torch.load_file(str(out / "final.safetensors")),
+            safetensors.torch.load_file(str(out / "grad.safetensors")),
+            json.loads((out / "steps.json").read_text()))
+
+
+def update_vs_trl(m: Match, run_dir: Path, model_dir: str, batches: list[list[Trajectory]],
+                  seed: int, work: Path, threads: int, base: Weights) -> dict[str, Any]:
+    """Check 3: rollart's Trainer (TRL's loss settings) and TRL's GRPOTrainer, same batches."""
+    cfg = load_config(run_dir / "config.yaml", ["algo.constrained_logprobs=vocab"])
+    signal = [k for k, b in enumerate(batches, 1) if any(t.advantage for t in b)]
+    if not signal:
+        sys.exit("no stored batch has a learning signal: run more --steps")
+    model, metrics, grad = replay(cfg, batches, grad_step=signal[0])
+    assert grad is not None
+    trl_w, trl_grad, trl_steps = trl_replay(m, model_dir, batches, seed, signal[0], work,
+                                            threads)
+    ours = params(model)
+    norms = [(float(r.get("train/grad_norm", 0.0)), s["grad_norm"])
+             for r, s in zip(metrics, trl_steps, strict=True)]
+    return {"steps": [{"rollart_grad_norm": a, "trl_grad_norm": b,
+                       "no_signal": bool(r.get("train/no_signal", 0.0))}
+                      for (a, b), r in zip(norms, metrics, strict=True)],
+            "grad_norm_max_rel_diff": max(abs(a - b) / b for a, b in norms if b > 0),
+            "gradient_step": signal[0], "gradient_rel_diff": rel_diff(grad, trl_grad),
+            "weights_rel_diff": rel_diff(ours, trl_w, base),
+            "weights_max_abs_diff": max_abs(ours, trl_w),
+            "weight_change_norm": math.sqrt(sum(float(((trl_w[k] - base[k]).double() ** 2)
+                                                      .sum()) for k in trl_w)),
+            "lr": m.lr}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "results/agentic_update_check.json"))
+    a = ap.parse_args()
+    if not PEER_PY.exists():
+        sys.exit("TRL's venv is missing: run `make peer` first (.venv-peer, trl==1.16.0)")
+    from rollart.models.fetch import fetch_model
+
+    host = host_facts()
+    torch.set_num_threads(a.threads)
+    m = Match(steps=a.steps, groups=2, group_size=4, constrained=True)
+    model_dir = fetch_model("smollm2-135m-instruct")["path"]
+    work = Path(tempfile.mkdtemp(prefix="rollart-update-check-"))
+    try:
+        t0 = time.perf_counter()
+        overrides = rollart_overrides(m, a.seed, model_dir, work / "artifacts", a.threads,
+                                      "vllm", constrained_logprobs="restricted")
+        run = run_rollart(m, overrides, work, a.seed)
+        run_dir = Path(run["run_dir"])
+        batches = stored_batches(run_dir)
+        engine = engine_on_policy(run_dir)
+        model, _, _ = replay(load_config(run_dir / "config.yaml", []), batches)
+        base = params(load_base(model_dir))
+        ckpt = final_state(str(run_dir))
+        checkpoint = {"rel_diff": rel_diff(params(model), {k: ckpt[k] for k in base}, base),
+                      "max_abs_diff": max_abs(params(model), {k: ckpt[k] for k in base})}
+        del model
+        update = update_vs_trl(m, run_dir, model_dir, batches, a.seed, work, a.threads, base)
+        wall = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    agree = {"engine_on_policy": (engine["logprob_mismatch_max"] or 0.0)
+             <= TOLERANCE["logprob_mismatch"] and engine["staleness_max"] == 0,
+             "checkpoint_is_replay": checkpoint["rel_diff"] <= TOLERANCE["checkpoint_rel_diff"],
+             "update_is_trl": update["gradient_rel_diff"] <= TOLERANCE["gradient_rel_diff"]
+             and update["weights_rel_diff"] <= TOLERANCE["weights_rel_diff"]}
+    doc = {"benchmark": "agentic_update_check", "host": host, "settings": m.to_json(),
+           "seed": a.seed, "run_command": run["command"], "engine": engine,
+           "checkpoint_replay": checkpoint, "update_vs_trl": update, "tolerance": TOLERANCE,
+           "agree": agree, "wall_s": wall}
+    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"agentic_update_check: engine logprob mismatch max {engine['logprob_mismatch_max']}"
+          f", staleness max {engine['staleness_max']}; checkpoint vs replay "
+          f"{checkpoint['rel_diff']:.1e}; update vs TRL: gradient {update['gradient_rel_diff']:.1e}"
+          f", weights {update['weights_rel_diff']:.1e} of the change; agree {agree} -> {a.out}")
+
+
+def load_base(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+if __name__ == "__main__":
+    main()
