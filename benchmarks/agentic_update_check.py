@@ -20,13 +20,20 @@ give the same learning step, with each side's own code, on batches a real run pr
    advantages, loss and AdamW step itself), from the same weights. Compared: each step's
    gradient norm, the gradient of the first step with signal, and the weights after the last
    step, relative to how far the weights moved.
+4. **The engine's samples follow the policy's distribution**, not only its reported
+   log-probs: rollart's vLLM engine holding the run's final weights samples `--samples`
+   answers to each of `--prompts` turn prompts of the run; each sampled token's randomized
+   probability integral transform under the exact distribution (the HF model with the same
+   weights) must look uniform (`sampler_calibration`). This is the sampler TRL's side does not
+   share (it samples with transformers' `generate`).
 
 Tolerances (`TOLERANCE`): both sides compute in float32 with different summation orders
 (~1e-6 relative per reduction). AdamW's first steps move every weight by ~lr whatever its
 gradient's size, so a component whose tiny gradient flips sign between the two sums moves the
 other way; that lifts the weight comparison to ~1e-4 of the weight change. A real difference
 in the objective (another aggregation, a mask off by one token, another advantage) changes the
-gradient by O(0.1) or more.
+gradient by O(0.1) or more. Check 4 fails at a Kolmogorov-Smirnov p-value below 0.01 (a
+1 % false alarm rate); with ~5,000 tokens it detects a distance from uniform of ~0.02.
 
     make peer && .venv/bin/python benchmarks/agentic_update_check.py --steps 8 --seed 10
         # -> results/agentic_update_check.json
@@ -59,7 +66,8 @@ from rollart.types import Trajectory  # noqa: E402
 
 PEER = ROOT / "benchmarks/peer_trl_replay.py"
 TOLERANCE = {"logprob_mismatch": 1e-3, "checkpoint_rel_diff": 1e-3,
-             "gradient_rel_diff": 1e-3, "weights_rel_diff": 1e-3}
+             "gradient_rel_diff": 1e-3, "weights_rel_diff": 1e-3,
+             "ks_pvalue": 0.01}
 Weights = dict[str, torch.Tensor]
 
 
@@ -108,6 +116,82 @@ def replay(cfg: RunConfig, batches: list[list[Trajectory]],
         if k == grad_step:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return model, metrics, grads
+
+
+def turn_prompts(batches: list[list[Trajectory]], limit: int) -> list[list[int]]:
+    """Distinct prompts the run's episodes sent to the engine: each conversation up to the
+    first generated token of each turn (where the loss mask turns on), at most `limit`."""
+    seen: dict[tuple[int, ...], None] = {}
+    for t in (t for b in batches for t in b):
+        for i in range(1, len(t.loss_mask)):
+            if t.loss_mask[i] and not t.loss_mask[i - 1]:
+                seen.setdefault(tuple(t.token_ids[:i]))
+    return [list(p) for p in list(seen)[:limit]]
+
+
+def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]],
+                        samples: int, m: Match, seed: int) -> dict[str, Any]:
+    """Check 4: rollart's vLLM engine, holding `state`, samples `samples` answers to each
+    prompt under the task's bag at its temperature; for every sampled token, its randomized
+    probability integral transform u = P(token' < token) + U * P(token) under the exact
+    distribution (an HF model with `state`: softmax of the bag's logits / T, given the prompt
+    and the answer so far). Exact sampling makes the u i.i.d. uniform (Rosenblatt), whatever
+    the policy: the Kolmogorov-Smirnov distance from uniform and its p-value say how far the
+    engine's samples are from the policy's distribution."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.agentic_episodes import sampling
+    from rollart.engines.vllm_engine import VLLMEngine
+    from rollart.types import GenerationRequest
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    params = sampling(m, tok)["guess"]
+    bag = torch.tensor(sorted(params.allowed_token_ids or []))
+    engine = VLLMEngine(model_dir, tok, seed=seed, eos_token_ids=[tok.eos_token_id],
+                        kv_cache_mb=512)
+    try:
+        engine.update_weights(1, state)
+        reqs = [GenerationRequest(f"p{i}/s{j}", p, params)
+                for i, p in enumerate(prompts) for j in range(samples)]
+        comps = [c for k in range(0, len(reqs), 64) for c in engine.generate(reqs[k:k + 64])]
+    finally:
+        engine.close()
+    model = load_base(model_dir)
+    model.load_state_dict(state, strict=False)  # the tied head follows the embeddings
+    gen = torch.Generator().manual_seed(seed)
+    us: list[float] = []
+    outside = 0  # sampled tokens outside the bag: 0 if the engine honours the restriction
+    with torch.no_grad():
+        for r, c in zip(reqs, comps, strict=True):
+            ids = torch.tensor([r.prompt_ids + c.token_ids])
+            z = model(ids).logits[0, len(r.prompt_ids) - 1:-1][:, bag] / params.temperature
+            p = torch.softmax(z.double(), -1)  # [answer tokens, bag]
+            sampled = torch.tensor(c.token_ids)
+            at = torch.searchsorted(bag, sampled).clamp(max=len(bag) - 1)  # [answer tokens]
+            outside += int((bag[at] != sampled).sum())
+            noise = torch.rand(len(c.token_ids), generator=gen, dtype=torch.float64)
+            us += pit_values(p, at, noise).tolist()
+    ks, pvalue = ks_uniform(us)
+    return {"prompts": len(prompts), "samples_per_prompt": samples, "tokens": len(us),
+            "tokens_outside_bag": outside, "ks_distance": ks, "ks_pvalue": pvalue}
+
+
+def pit_values(probs: torch.Tensor, slots: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Randomized probability integral transform [n] of the outcomes `slots` [n] drawn from the
+    categorical rows `probs` [n, k], with `noise` [n] ~ U(0, 1): P(slot' < slot) + noise *
+    P(slot). Uniform on (0, 1) when each outcome was drawn from its row."""
+    mass = probs.gather(1, slots[:, None])[:, 0]  # [n] P(outcome)
+    below = torch.cumsum(probs, -1).gather(1, slots[:, None])[:, 0] - mass  # [n]
+    return below + noise * mass
+
+
+def ks_uniform(us: list[float]) -> tuple[float, float]:
+    """Kolmogorov-Smirnov distance of `us` from Uniform(0, 1) and its asymptotic p-value."""
+    xs, n = sorted(us), len(us)
+    d = max(max((i + 1) / n - x, x - i / n) for i, x in enumerate(xs))
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
+    return d, min(max(p, 0.0), 1.0)
 
 
 def rel_diff(a: Weights, b: Weights, ref: Weights | None = None) -> float:
@@ -174,6 +258,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=40, help="check 4: distinct turn prompts")
+    ap.add_argument("--samples", type=int, default=50, help="check 4: answers per prompt")
     ap.add_argument("--out", default=str(ROOT / "results/agentic_update_check.json"))
     a = ap.parse_args()
     if not PEER_PY.exists():
@@ -200,6 +286,8 @@ def main() -> None:
                       "max_abs_diff": max_abs(params(model), {k: ckpt[k] for k in base})}
         del model
         update = update_vs_trl(m, run_dir, model_dir, batches, a.seed, work, a.threads, base)
+        sampler = sampler_calibration(model_dir, ckpt, turn_prompts(batches, a.prompts),
+                                      a.samples, m, a.seed)
         wall = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -207,16 +295,21 @@ def main() -> None:
              <= TOLERANCE["logprob_mismatch"] and engine["staleness_max"] == 0,
              "checkpoint_is_replay": checkpoint["rel_diff"] <= TOLERANCE["checkpoint_rel_diff"],
              "update_is_trl": update["gradient_rel_diff"] <= TOLERANCE["gradient_rel_diff"]
-             and update["weights_rel_diff"] <= TOLERANCE["weights_rel_diff"]}
+             and update["weights_rel_diff"] <= TOLERANCE["weights_rel_diff"],
+             "engine_samples_policy": sampler["tokens_outside_bag"] == 0
+             and sampler["ks_pvalue"] >= TOLERANCE["ks_pvalue"]}
     doc = {"benchmark": "agentic_update_check", "host": host, "settings": m.to_json(),
            "seed": a.seed, "run_command": run["command"], "engine": engine,
-           "checkpoint_replay": checkpoint, "update_vs_trl": update, "tolerance": TOLERANCE,
+           "checkpoint_replay": checkpoint, "update_vs_trl": update,
+           "sampler_calibration": sampler, "tolerance": TOLERANCE,
            "agree": agree, "wall_s": wall}
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"agentic_update_check: engine logprob mismatch max {engine['logprob_mismatch_max']}"
           f", staleness max {engine['staleness_max']}; checkpoint vs replay "
           f"{checkpoint['rel_diff']:.1e}; update vs TRL: gradient {update['gradient_rel_diff']:.1e}"
-          f", weights {update['weights_rel_diff']:.1e} of the change; agree {agree} -> {a.out}")
+          f", weights {update['weights_rel_diff']:.1e} of the change; sampler KS "
+          f"{sampler['ks_distance']:.3f} (p {sampler['ks_pvalue']:.2f}, {sampler['tokens']} "
+          f"tokens); agree {agree} -> {a.out}")
 
 
 def load_base(model_dir: str) -> torch.nn.Module:
