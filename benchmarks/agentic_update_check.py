@@ -24,7 +24,8 @@ give the same learning step, with each side's own code, on batches a real run pr
    log-probs: rollart's vLLM engine holding the run's final weights samples `--samples`
    answers to each of `--prompts` turn prompts of the run; each sampled token's randomized
    probability integral transform under the exact distribution (the HF model with the same
-   weights) must look uniform (`sampler_calibration`). This is the sampler TRL's side does not
+   weights) must look uniform, and the mean surprise of the sampled tokens must match the
+   distribution's entropy (`sampler_calibration`). This is the sampler TRL's side does not
    share (it samples with transformers' `generate`).
 
 Tolerances (`TOLERANCE`): both sides compute in float32 with different summation orders
@@ -32,8 +33,9 @@ Tolerances (`TOLERANCE`): both sides compute in float32 with different summation
 gradient's size, so a component whose tiny gradient flips sign between the two sums moves the
 other way; that lifts the weight comparison to ~1e-4 of the weight change. A real difference
 in the objective (another aggregation, a mask off by one token, another advantage) changes the
-gradient by O(0.1) or more. Check 4 fails at a Kolmogorov-Smirnov p-value below 0.01 (a
-1 % false alarm rate); with ~5,000 tokens it detects a distance from uniform of ~0.02.
+gradient by O(0.1) or more. Check 4 fails at a p-value below 0.01 on either test (a 1 %
+false alarm rate each); with ~5,000 tokens the KS test detects a distance from uniform of
+~0.02, and the surprise test a sampler whose temperature is a few percent off.
 
     make peer && .venv/bin/python benchmarks/agentic_update_check.py --steps 8 --seed 10
         # -> results/agentic_update_check.json
@@ -67,7 +69,7 @@ from rollart.types import Trajectory  # noqa: E402
 PEER = ROOT / "benchmarks/peer_trl_replay.py"
 TOLERANCE = {"logprob_mismatch": 1e-3, "checkpoint_rel_diff": 1e-3,
              "gradient_rel_diff": 1e-3, "weights_rel_diff": 1e-3,
-             "ks_pvalue": 0.01}
+             "pvalue": 0.01}
 Weights = dict[str, torch.Tensor]
 
 
@@ -137,7 +139,8 @@ def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]]
     distribution (an HF model with `state`: softmax of the bag's logits / T, given the prompt
     and the answer so far). Exact sampling makes the u i.i.d. uniform (Rosenblatt), whatever
     the policy: the Kolmogorov-Smirnov distance from uniform and its p-value say how far the
-    engine's samples are from the policy's distribution."""
+    engine's samples are from the policy's distribution; the surprise score
+    (`surprise_terms`) says whether they are sharper or flatter than it."""
     from transformers import AutoTokenizer
 
     from benchmarks.agentic_episodes import sampling
@@ -160,6 +163,7 @@ def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]]
     model.load_state_dict(state, strict=False)  # the tied head follows the embeddings
     gen = torch.Generator().manual_seed(seed)
     us: list[float] = []
+    score, var = 0.0, 0.0
     outside = 0  # sampled tokens outside the bag: 0 if the engine honours the restriction
     with torch.no_grad():
         for r, c in zip(reqs, comps, strict=True):
@@ -171,9 +175,13 @@ def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]]
             outside += int((bag[at] != sampled).sum())
             noise = torch.rand(len(c.token_ids), generator=gen, dtype=torch.float64)
             us += pit_values(p, at, noise).tolist()
+            s_, v_ = surprise_terms(p, at)
+            score, var = score + s_, var + v_
     ks, pvalue = ks_uniform(us)
+    z = score / math.sqrt(var) if var > 0 else 0.0
     return {"prompts": len(prompts), "samples_per_prompt": samples, "tokens": len(us),
-            "tokens_outside_bag": outside, "ks_distance": ks, "ks_pvalue": pvalue}
+            "tokens_outside_bag": outside, "ks_distance": ks, "ks_pvalue": pvalue,
+            "surprise_z": z, "surprise_pvalue": math.erfc(abs(z) / math.sqrt(2))}
 
 
 def pit_values(probs: torch.Tensor, slots: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -183,6 +191,19 @@ def pit_values(probs: torch.Tensor, slots: torch.Tensor, noise: torch.Tensor) ->
     mass = probs.gather(1, slots[:, None])[:, 0]  # [n] P(outcome)
     below = torch.cumsum(probs, -1).gather(1, slots[:, None])[:, 0] - mass  # [n]
     return below + noise * mass
+
+
+def surprise_terms(probs: torch.Tensor, slots: torch.Tensor) -> tuple[float, float]:
+    """(sum over rows of log P(outcome) + entropy, sum of their variances) for outcomes `slots`
+    [n] drawn from the rows `probs` [n, k]. Each term has mean 0 and the given variance when
+    drawn exactly, so sum / sqrt(variance) is ~N(0, 1): the score test for a sampling
+    temperature (a sharper sampler draws likelier tokens: positive; a flatter one: negative),
+    where the integral transform's KS distance is weak."""
+    logp = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))  # [n, k], 0 at p = 0
+    entropy = -(probs * logp).sum(-1)  # [n]
+    second = (probs * logp * logp).sum(-1)  # [n] E[(log p)^2]
+    drawn = logp.gather(1, slots[:, None])[:, 0]  # [n]
+    return float((drawn + entropy).sum()), float((second - entropy * entropy).sum())
 
 
 def ks_uniform(us: list[float]) -> tuple[float, float]:
@@ -297,7 +318,7 @@ def main() -> None:
              "update_is_trl": update["gradient_rel_diff"] <= TOLERANCE["gradient_rel_diff"]
              and update["weights_rel_diff"] <= TOLERANCE["weights_rel_diff"],
              "engine_samples_policy": sampler["tokens_outside_bag"] == 0
-             and sampler["ks_pvalue"] >= TOLERANCE["ks_pvalue"]}
+             and min(sampler["ks_pvalue"], sampler["surprise_pvalue"]) >= TOLERANCE["pvalue"]}
     doc = {"benchmark": "agentic_update_check", "host": host, "settings": m.to_json(),
            "seed": a.seed, "run_command": run["command"], "engine": engine,
            "checkpoint_replay": checkpoint, "update_vs_trl": update,
@@ -308,8 +329,8 @@ def main() -> None:
           f", staleness max {engine['staleness_max']}; checkpoint vs replay "
           f"{checkpoint['rel_diff']:.1e}; update vs TRL: gradient {update['gradient_rel_diff']:.1e}"
           f", weights {update['weights_rel_diff']:.1e} of the change; sampler KS "
-          f"{sampler['ks_distance']:.3f} (p {sampler['ks_pvalue']:.2f}, {sampler['tokens']} "
-          f"tokens); agree {agree} -> {a.out}")
+          f"{sampler['ks_distance']:.3f} (p {sampler['ks_pvalue']:.2f}), surprise z "
+          f"{sampler['surprise_z']:.2f} over {sampler['tokens']} tokens; agree {agree} -> {a.out}")
 
 
 def load_base(model_dir: str) -> torch.nn.Module:
