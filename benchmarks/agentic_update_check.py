@@ -165,15 +165,14 @@ def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]]
     us: list[float] = []
     score, var = 0.0, 0.0
     outside = 0  # sampled tokens outside the bag: 0 if the engine honours the restriction
-    with torch.no_grad():
-        for r, c in zip(reqs, comps, strict=True):
-            ids = torch.tensor([r.prompt_ids + c.token_ids])
-            z = model(ids).logits[0, len(r.prompt_ids) - 1:-1][:, bag] / params.temperature
-            p = torch.softmax(z.double(), -1)  # [answer tokens, bag]
-            sampled = torch.tensor(c.token_ids)
-            at = torch.searchsorted(bag, sampled).clamp(max=len(bag) - 1)  # [answer tokens]
-            outside += int((bag[at] != sampled).sum())
-            noise = torch.rand(len(c.token_ids), generator=gen, dtype=torch.float64)
+    for i, prompt in enumerate(prompts):
+        answers = [c.token_ids for c in comps[i * samples:(i + 1) * samples]]
+        for p, sampled in zip(answer_probs(model, prompt, answers, bag, params.temperature),
+                              answers, strict=True):
+            ids = torch.tensor(sampled)
+            at = torch.searchsorted(bag, ids).clamp(max=len(bag) - 1)  # [answer tokens]
+            outside += int((bag[at] != ids).sum())
+            noise = torch.rand(len(sampled), generator=gen, dtype=torch.float64)
             us += pit_values(p, at, noise).tolist()
             s_, v_ = surprise_terms(p, at)
             score, var = score + s_, var + v_
@@ -182,6 +181,29 @@ def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]]
     return {"prompts": len(prompts), "samples_per_prompt": samples, "tokens": len(us),
             "tokens_outside_bag": outside, "ks_distance": ks, "ks_pvalue": pvalue,
             "surprise_z": z, "surprise_pvalue": math.erfc(abs(z) / math.sqrt(2))}
+
+
+@torch.no_grad()
+def answer_probs(model: torch.nn.Module, prompt: list[int], answers: list[list[int]],
+                 bag: torch.Tensor, temperature: float) -> list[torch.Tensor]:
+    """The exact sampling distribution [answer tokens, bag] at each token of each answer to
+    `prompt`: softmax of the bag's logits / T. One forward for all answers, the prompt run once
+    (the trainer's shared-prefix forward, rollart/train/shared_prefix.py)."""
+    from rollart.train.shared_prefix import shared_prefix_hidden
+
+    n, plen = len(answers), len(prompt)
+    width = plen + max(len(a) for a in answers)
+    ids = torch.zeros(n, width, dtype=torch.long)  # [n, T], right-padded
+    wanted = torch.zeros(n, width - 1, dtype=torch.long)  # [n, T-1]: position j predicts j+1
+    for b, a in enumerate(answers):
+        ids[b, :plen + len(a)] = torch.tensor(prompt + a)
+        wanted[b, plen - 1:plen - 1 + len(a)] = 1
+    hidden = shared_prefix_hidden(model.model, ids, wanted, ["prompt"] * n)  # [n, T, H]
+    out = []
+    for b, a in enumerate(answers):
+        z = model.lm_head(hidden[b, plen - 1:plen - 1 + len(a)])[:, bag] / temperature
+        out.append(torch.softmax(z.double(), -1))
+    return out
 
 
 def pit_values(probs: torch.Tensor, slots: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
