@@ -95,6 +95,15 @@ def _agentic_gains(d: dict) -> str:
             f"{d['success_gain_diff_se']:.3f}")
 
 
+def _agentic_update_check(d: dict) -> str:
+    u, e, s = d["update_vs_trl"], d["engine"], d["sampler_calibration"]
+    return (f"{len(u['steps'])} stored batches through rollart's trainer and TRL's "
+            f"GRPOTrainer: weights {u['weights_rel_diff']:.0e} of their change apart, "
+            f"gradients {u['gradient_rel_diff']:.0e}; engine and trainer log-probs within "
+            f"{e['logprob_mismatch_max']:.0e}; engine samples vs the policy: KS p "
+            f"{s['ks_pvalue']:.2f}, surprise z {s['surprise_z']:+.2f} over {s['tokens']} tokens")
+
+
 def _trainer_heap(d: dict) -> str:
     g, r = d["summary"]["glibc_default"], d["summary"]["rollart"]
     return (f"SmolLM2-135M updates in a worker, glibc's heap policy / rollart's: first two "
@@ -404,6 +413,9 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl.json results/agentic_vs_trl_seeds4-5.json "
      "results/agentic_vs_trl_seeds6-9.json results/agentic_vs_trl_seeds10-19_intel.json",
      "agentic_vs_trl_seeds0-19_pooled.json", _agentic_gains),
+    ("Against TRL, guess game: the same batches give the same update; the engine samples the "
+     "policy it trains", "python benchmarks/agentic_update_check.py --steps 8 --seed 10",
+     "agentic_update_check.json", _agentic_update_check),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
