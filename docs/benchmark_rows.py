@@ -413,6 +413,18 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
      "results/agentic_vs_trl.json results/agentic_vs_trl_seeds4-5.json "
      "results/agentic_vs_trl_seeds6-9.json results/agentic_vs_trl_seeds10-19_intel.json",
      "agentic_vs_trl_seeds0-19_pooled.json", _agentic_gains),
+    ("Against TRL, guess game, matched, each seed's two runs back to back (seeds 20-23 of an "
+     "invocation for 20-25 stopped after seed 23, Intel Xeon host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained "
+     "--seeds 20,21,22,23,24,25 --out results/agentic_vs_trl_seeds20-25_intel.json",
+     "agentic_vs_trl_seeds20-25_intel.json", _agentic_vs_trl),
+    ("Against TRL, guess game, held-out gain over twenty-four seeds (gains only: the runs come "
+     "from several hosts and days)",
+     "python benchmarks/agentic_results.py --out results/agentic_vs_trl_seeds0-23_pooled.json "
+     "results/agentic_vs_trl.json results/agentic_vs_trl_seeds4-5.json "
+     "results/agentic_vs_trl_seeds6-9.json results/agentic_vs_trl_seeds10-19_intel.json "
+     "results/agentic_vs_trl_seeds20-25_intel.json",
+     "agentic_vs_trl_seeds0-23_pooled.json", _agentic_gains),
     ("Against TRL, guess game: the same batches give the same update; the engine samples the "
      "policy it trains", "python benchmarks/agentic_update_check.py --steps 8 --seed 10",
      "agentic_update_check.json", _agentic_update_check),
