@@ -252,6 +252,12 @@ def params(model: torch.nn.Module) -> Weights:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def load_base(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
 def trl_replay(m: Match, model_dir: str, batches: list[list[Trajectory]], seed: int,
                grad_step: int, work: Path, threads: int) -> tuple[Weights, Weights, list[dict]]:
     """Check 3's TRL side, in the peer venv: (final weights, gradient of `grad_step`, steps)."""
@@ -325,8 +331,10 @@ def main() -> None:
         model, _, _ = replay(load_config(run_dir / "config.yaml", []), batches)
         base = params(load_base(model_dir))
         ckpt = final_state(str(run_dir))
-        checkpoint = {"rel_diff": rel_diff(params(model), {k: ckpt[k] for k in base}, base),
-                      "max_abs_diff": max_abs(params(model), {k: ckpt[k] for k in base})}
+        replayed, saved = params(model), {k: ckpt[k] for k in base}
+        checkpoint = {"rel_diff": rel_diff(replayed, saved, base),
+                      "max_abs_diff": max_abs(replayed, saved)}
+        del replayed
         del model
         update = update_vs_trl(m, run_dir, model_dir, batches, a.seed, work, a.threads, base)
         sampler = sampler_calibration(model_dir, ckpt, turn_prompts(batches, a.prompts),
@@ -334,8 +342,9 @@ def main() -> None:
         wall = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    agree = {"engine_on_policy": (engine["logprob_mismatch_max"] or 0.0)
-             <= TOLERANCE["logprob_mismatch"] and engine["staleness_max"] == 0,
+    worst = engine["logprob_mismatch_max"]  # None: no update had signal, nothing compared
+    agree = {"engine_on_policy": worst is not None and worst <= TOLERANCE["logprob_mismatch"]
+             and engine["staleness_max"] == 0,
              "checkpoint_is_replay": checkpoint["rel_diff"] <= TOLERANCE["checkpoint_rel_diff"],
              "update_is_trl": update["gradient_rel_diff"] <= TOLERANCE["gradient_rel_diff"]
              and update["weights_rel_diff"] <= TOLERANCE["weights_rel_diff"],
@@ -353,12 +362,6 @@ def main() -> None:
           f", weights {update['weights_rel_diff']:.1e} of the change; sampler KS "
           f"{sampler['ks_distance']:.3f} (p {sampler['ks_pvalue']:.2f}), surprise z "
           f"{sampler['surprise_z']:.2f} over {sampler['tokens']} tokens; agree {agree} -> {a.out}")
-
-
-def load_base(model_dir: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 if __name__ == "__main__":
