@@ -31,9 +31,11 @@ give the same learning step, with each side's own code, on batches a real run pr
 Tolerances (`TOLERANCE`): both sides compute in float32 with different summation orders
 (~1e-6 relative per reduction). AdamW's first steps move every weight by ~lr whatever its
 gradient's size, so a component whose tiny gradient flips sign between the two sums moves the
-other way; that lifts the weight comparison to ~1e-4 of the weight change. A real difference
-in the objective (another aggregation, a mask off by one token, another advantage) changes the
-gradient by O(0.1) or more. Check 4 fails at a p-value below 0.01 on either test (a 1 %
+other way; that lifts the weight comparison to ~1e-4 of the weight change. A small change
+of the objective moves the gradient far more: the results file's
+`gradient_rel_diff_other_objectives` gives rollart's gradient against TRL's with a token mean
+over the batch instead of per episode, and with every loss mask one token late
+(`objective_controls`). Check 4 fails at a p-value below 0.01 on either test (a 1 %
 false alarm rate each); with ~5,000 tokens the KS test detects a distance from uniform of
 ~0.02, and the surprise test a sampler whose temperature is a few percent off.
 
@@ -44,6 +46,7 @@ false alarm rate each); with ~5,000 tokens the KS test detects a distance from u
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -276,6 +279,23 @@ def trl_replay(m: Match, model_dir: str, batches: list[list[Trajectory]], seed: 
             json.loads((out / "steps.json").read_text()))
 
 
+def objective_controls(run_dir: Path, batches: list[list[Trajectory]],
+                       trl_grad: Weights) -> dict[str, float]:
+    """How far rollart's gradient of the last of `batches` lands from TRL's when the objective
+    differs a little: the tolerance's yardstick. A token mean over the whole batch instead of
+    per episode (`loss_agg: token_mean`, TRL's "bnpo"), and every loss mask one token late."""
+    vocab = "algo.constrained_logprobs=vocab"
+    k = len(batches)
+    _, _, agg = replay(load_config(run_dir / "config.yaml", [vocab, "algo.loss_agg=token_mean"]),
+                       batches, grad_step=k)
+    late = [[dataclasses.replace(t, loss_mask=[0, *t.loss_mask[:-1]]) for t in b]
+            for b in batches]
+    _, _, shifted = replay(load_config(run_dir / "config.yaml", [vocab]), late, grad_step=k)
+    assert agg is not None and shifted is not None
+    return {"token_mean_over_batch": rel_diff(agg, trl_grad),
+            "loss_mask_one_token_late": rel_diff(shifted, trl_grad)}
+
+
 def update_vs_trl(m: Match, run_dir: Path, model_dir: str, batches: list[list[Trajectory]],
                   seed: int, work: Path, threads: int, base: Weights) -> dict[str, Any]:
     """Check 3: rollart's Trainer (TRL's loss settings) and TRL's GRPOTrainer, same batches."""
@@ -288,6 +308,8 @@ def update_vs_trl(m: Match, run_dir: Path, model_dir: str, batches: list[list[Tr
     trl_w, trl_grad, trl_steps = trl_replay(m, model_dir, batches, seed, signal[0], work,
                                             threads)
     ours = params(model)
+    del model
+    controls = objective_controls(run_dir, batches[:signal[0]], trl_grad)
     norms = [(float(r.get("train/grad_norm", 0.0)), s["grad_norm"])
              for r, s in zip(metrics, trl_steps, strict=True)]
     return {"steps": [{"rollart_grad_norm": a, "trl_grad_norm": b,
@@ -295,6 +317,7 @@ def update_vs_trl(m: Match, run_dir: Path, model_dir: str, batches: list[list[Tr
                       for (a, b), r in zip(norms, metrics, strict=True)],
             "grad_norm_max_rel_diff": max(abs(a - b) / b for a, b in norms if b > 0),
             "gradient_step": signal[0], "gradient_rel_diff": rel_diff(grad, trl_grad),
+            "gradient_rel_diff_other_objectives": controls,
             "weights_rel_diff": rel_diff(ours, trl_w, base),
             "weights_max_abs_diff": max_abs(ours, trl_w),
             "weight_change_norm": math.sqrt(sum(float(((trl_w[k] - base[k]).double() ** 2)
