@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -183,8 +184,32 @@ def pooled(files: list[str], only: list[int] | None = None) -> dict[str, Any]:
         sds[fw] = (statistics.stdev(gains), len(gains)) if len(gains) > 1 else None
         out[f"{fw}_success_gain_sd"] = sds[fw][0] if sds[fw] else None
     if sds["rollart"] and sds["trl"]:
-        out["success_gain_diff_se"] = sum(sd * sd / n for sd, n in sds.values()) ** 0.5
+        se = sum(sd * sd / n for sd, n in sds.values()) ** 0.5
+        out["success_gain_diff_se"] = se
+        if se > 0:  # the difference in standard errors, and how often chance gives as much
+            z = (out["rollart_success_gain"] - out["trl_success_gain"]) / se
+            out["success_gain_diff_z"] = z
+            out["success_gain_diff_pvalue"] = math.erfc(abs(z) / math.sqrt(2))  # two-sided
     out["train_success_by_steps"] = train_success_by_steps(runs)
+    out["totals"] = side_totals(runs)
+    return out
+
+
+COUNTED = ("model_tokens", "env_steps")  # from each run's tally
+SIGNAL = ("uniform_groups", "updates_without_gradient")  # each run's own fields
+
+
+def side_totals(runs: list[dict[str, Any]]) -> dict[str, dict[str, int | None]]:
+    """Each side's sums over its runs: generated tokens and env steps, groups whose episodes
+    all scored alike and updates without gradient (None where a run lacks the field)."""
+    out = {}
+    for fw in ("rollart", "trl"):
+        mine = [r for r in runs if r["framework"] == fw]
+        sums: dict[str, int | None] = {k: sum(r["tally"][k] for r in mine) for k in COUNTED}
+        for k in SIGNAL:
+            sums[k] = (sum(r[k] for r in mine)
+                       if all(r.get(k) is not None for r in mine) else None)
+        out[fw] = sums
     return out
 
 

@@ -331,9 +331,11 @@ def test_pooled_summary_over_files_by_hand(tmp_path):
                                  "base_success": 0.25, **more}))
         return str(f)
 
-    a = write("a.json", [_run("trl", 0, 100.0, 1000, 100, 0.5),
+    signal = {"uniform_groups": 2, "updates_without_gradient": 1}
+    a = write("a.json", [{**_run("trl", 0, 100.0, 1000, 100, 0.5), **signal},
                          _run("rollart", 0, 50.0, 1000, 50, 0.25)])
-    b = write("b.json", [_run("trl", 1, 100.0, 1000, 100, 0.75),
+    b = write("b.json", [{**_run("trl", 1, 100.0, 1000, 100, 0.75), "uniform_groups": 3,
+                          "updates_without_gradient": 1},
                          _run("rollart", 1, 50.0, 1000, 50, 0.75),
                          _run("trl", 0, 1.0, 1, 1, 1.0)],  # seed 0 again: a's run stands
               complete=False)  # an interrupted invocation's file: pooled, and named
@@ -346,6 +348,14 @@ def test_pooled_summary_over_files_by_hand(tmp_path):
     assert out["rollart_success_gain_sd"] == pytest.approx(0.5 ** 0.5 / 2)
     assert out["trl_success_gain_sd"] == pytest.approx(0.125 ** 0.5 / 2)
     assert out["success_gain_diff_se"] == pytest.approx(((0.125 + 0.03125) / 2) ** 0.5)
+    # mean gains 0.25 vs 0.375: z = -0.125 / 0.27951 = -0.44721; two-sided p 0.65472
+    assert out["success_gain_diff_z"] == pytest.approx(-0.125 / (0.078125 ** 0.5))
+    assert out["success_gain_diff_pvalue"] == pytest.approx(0.654721, abs=1e-6)
+    # sums per side over the runs that count (b's second seed-0 TRL run does not)
+    assert out["totals"]["trl"] == {"model_tokens": 2000, "env_steps": 200,
+                                    "uniform_groups": 5, "updates_without_gradient": 2}
+    assert out["totals"]["rollart"]["model_tokens"] == 2000
+    assert out["totals"]["rollart"]["uniform_groups"] is None  # a run without the field
     assert out["tokens_per_s_ratio"] == pytest.approx(2.0)  # 2000 / 100 s vs 2000 / 200 s
     one = pooled([a, b], only=[1])  # seed 1 alone: 1000 / 50 s vs 1000 / 100 s
     assert one["seeds"] == [1] and one["tokens_per_s_ratio"] == pytest.approx(2.0)
