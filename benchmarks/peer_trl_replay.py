@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  #
 from trl import GRPOTrainer  # noqa: E402
 
 from benchmarks.agentic_episodes import Match  # noqa: E402
-from benchmarks.peer_trl_agentic import grpo_config  # noqa: E402
+from benchmarks.peer_trl_agentic import env_outcome_reward, grpo_config  # noqa: E402
 
 
 class Replay:
@@ -47,12 +47,7 @@ class Replay:
         return {"prompt_ids": [r["prompt_ids"] for r in rows],
                 "completion_ids": [r["completion_ids"] for r in rows],
                 "logprobs": None, "env_mask": [r["env_mask"] for r in rows],
-                "recorded_reward": [r["reward"] for r in rows]}
-
-
-def recorded_reward(completions: list[Any], recorded_reward: list[float],
-                    **_: Any) -> list[float]:
-    return [float(r) for r in recorded_reward]
+                "env_reward": [r["reward"] for r in rows]}  # env_outcome_reward reads it
 
 
 class SaveGradient(TrainerCallback):
@@ -89,7 +84,7 @@ def main() -> None:
     # only their number matters to the replay.
     rows = [{"prompt": [{"role": "user", "content": f"group {i}"}]}
             for i in range(m.groups * len(steps))]
-    trainer = GRPOTrainer(model=model, reward_funcs=recorded_reward,
+    trainer = GRPOTrainer(model=model, reward_funcs=env_outcome_reward,
                           args=grpo_config(m, a.seed, str(out / "trl-out")),
                           train_dataset=Dataset.from_list(rows), processing_class=tok,
                           rollout_func=Replay(steps),
