@@ -26,7 +26,8 @@ give the same learning step, with each side's own code, on batches a real run pr
    probability integral transform under the exact distribution (the HF model with the same
    weights) must look uniform, and the mean surprise of the sampled tokens must match the
    distribution's entropy (`sampler_calibration`). This is the sampler TRL's side does not
-   share (it samples with transformers' `generate`).
+   share (it samples with transformers' `generate`); agentic_sampler_check.py puts both
+   samplers to the same test at the base model.
 
 Tolerances (`TOLERANCE`): both sides compute in float32 with different summation orders
 (~1e-6 relative per reduction). AdamW's first steps move every weight by ~lr whatever its
@@ -67,7 +68,7 @@ from benchmarks.agentic_episodes import Match, trl_sample  # noqa: E402
 from benchmarks.agentic_results import final_state, host_facts  # noqa: E402
 from benchmarks.agentic_vs_trl import PEER_PY, rollart_overrides, run_rollart  # noqa: E402
 from rollart.config import RunConfig, load_config  # noqa: E402
-from rollart.types import Trajectory  # noqa: E402
+from rollart.types import SamplingParams, Trajectory  # noqa: E402
 
 PEER = ROOT / "benchmarks/peer_trl_replay.py"
 TOLERANCE = {"logprob_mismatch": 1e-3, "checkpoint_rel_diff": 1e-3,
@@ -137,41 +138,68 @@ def turn_prompts(batches: list[list[Trajectory]], limit: int) -> list[list[int]]
 def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]],
                         samples: int, m: Match, seed: int) -> dict[str, Any]:
     """Check 4: rollart's vLLM engine, holding `state`, samples `samples` answers to each
-    prompt under the task's bag at its temperature; for every sampled token, its randomized
-    probability integral transform u = P(token' < token) + U * P(token) under the exact
-    distribution (an HF model with `state`: softmax of the bag's logits / T, given the prompt
-    and the answer so far). Exact sampling makes the u i.i.d. uniform (Rosenblatt), whatever
-    the policy: the Kolmogorov-Smirnov distance from uniform and its p-value say how far the
-    engine's samples are from the policy's distribution; the surprise score
-    (`surprise_terms`) says whether they are sharper or flatter than it."""
+    prompt under the task's bag at its temperature (`engine_answers`); `calibration` scores
+    them against the exact distribution (an HF model with `state`)."""
     from transformers import AutoTokenizer
 
     from benchmarks.agentic_episodes import sampling
+
+    params = sampling(m, AutoTokenizer.from_pretrained(model_dir))["guess"]
+    answers = engine_answers(model_dir, state, prompts, [samples] * len(prompts), params,
+                             seed, batch=64)
+    model = load_base(model_dir)
+    model.load_state_dict(state, strict=False)  # the tied head follows the embeddings
+    return calibration(model, prompts, answers, params, seed)
+
+
+def engine_answers(model_dir: str, state: Weights | None, prompts: list[list[int]],
+                   counts: list[int], params: SamplingParams, seed: int,
+                   batch: int) -> list[list[list[int]]]:
+    """rollart's vLLM engine (holding `state`, or the base weights) samples `counts[i]`
+    answers to prompt i with `params` (the task's bag, temperature and stop), `batch` requests
+    per generate call: [prompt][sample] -> token ids."""
+    from transformers import AutoTokenizer
+
     from rollart.engines.vllm_engine import VLLMEngine
     from rollart.types import GenerationRequest
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    params = sampling(m, tok)["guess"]
-    bag = torch.tensor(sorted(params.allowed_token_ids or []))
     engine = VLLMEngine(model_dir, tok, seed=seed, eos_token_ids=[tok.eos_token_id],
                         kv_cache_mb=512)
     try:
-        engine.update_weights(1, state)
+        if state is not None:
+            engine.update_weights(1, state)
         reqs = [GenerationRequest(f"p{i}/s{j}", p, params)
-                for i, p in enumerate(prompts) for j in range(samples)]
-        comps = [c for k in range(0, len(reqs), 64) for c in engine.generate(reqs[k:k + 64])]
+                for i, (p, n) in enumerate(zip(prompts, counts, strict=True))
+                for j in range(n)]
+        comps = [c for k in range(0, len(reqs), batch)
+                 for c in engine.generate(reqs[k:k + batch])]
     finally:
         engine.close()
-    model = load_base(model_dir)
-    model.load_state_dict(state, strict=False)  # the tied head follows the embeddings
+    out: list[list[list[int]]] = [[] for _ in prompts]
+    for c in comps:
+        out[int(c.request_id.split("/")[0][1:])].append(list(c.token_ids))
+    return out
+
+
+def calibration(model: torch.nn.Module, prompts: list[list[int]],
+                answers: list[list[list[int]]], params: SamplingParams,
+                seed: int) -> dict[str, Any]:
+    """How far sampled `answers` [prompt][sample] lie from `model`'s exact distribution under
+    the task's bag at its temperature: each sampled token's randomized probability integral
+    transform u = P(token' < token) + U * P(token) (softmax of the bag's logits / T, given the
+    prompt and the answer so far). Exact sampling makes the u i.i.d. uniform (Rosenblatt),
+    whatever the policy: the Kolmogorov-Smirnov distance from uniform and its p-value say how
+    far the samples are from the policy's distribution; the surprise score (`surprise_terms`)
+    says whether they are sharper or flatter than it."""
+    bag = torch.tensor(sorted(params.allowed_token_ids or []))
     gen = torch.Generator().manual_seed(seed)
     us: list[float] = []
     score, var = 0.0, 0.0
-    outside = 0  # sampled tokens outside the bag: 0 if the engine honours the restriction
-    for i, prompt in enumerate(prompts):
-        answers = [c.token_ids for c in comps[i * samples:(i + 1) * samples]]
-        for p, sampled in zip(answer_probs(model, prompt, answers, bag, params.temperature),
-                              answers, strict=True):
+    outside = 0  # sampled tokens outside the bag: 0 if the sampler honours the restriction
+    for prompt, sampled_answers in zip(prompts, answers, strict=True):
+        for p, sampled in zip(answer_probs(model, prompt, sampled_answers, bag,
+                                           params.temperature), sampled_answers, strict=True):
             ids = torch.tensor(sampled)
             at = torch.searchsorted(bag, ids).clamp(max=len(bag) - 1)  # [answer tokens]
             outside += int((bag[at] != ids).sum())
@@ -181,9 +209,10 @@ def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]]
             score, var = score + s_, var + v_
     ks, pvalue = ks_uniform(us)
     z = score / math.sqrt(var) if var > 0 else 0.0
-    return {"prompts": len(prompts), "samples_per_prompt": samples, "tokens": len(us),
-            "tokens_outside_bag": outside, "ks_distance": ks, "ks_pvalue": pvalue,
-            "surprise_z": z, "surprise_pvalue": math.erfc(abs(z) / math.sqrt(2))}
+    return {"prompts": len(prompts), "samples_per_prompt": max(map(len, answers), default=0),
+            "tokens": len(us), "tokens_outside_bag": outside, "ks_distance": ks,
+            "ks_pvalue": pvalue, "surprise_z": z,
+            "surprise_pvalue": math.erfc(abs(z) / math.sqrt(2))}
 
 
 @torch.no_grad()
