@@ -104,6 +104,17 @@ def _agentic_update_check(d: dict) -> str:
             f"{s['ks_pvalue']:.2f}, surprise z {s['surprise_z']:+.2f} over {s['tokens']} tokens")
 
 
+def _agentic_sampler_check(d: dict) -> str:
+    def side(v: dict) -> str:
+        o, t, g = v["opening"], v["later_turns"], v["within_group"]
+        return (f"opening KS p {o['ks_pvalue']:.2f}, z {o['surprise_z']:+.2f}; later turns KS "
+                f"p {t['ks_pvalue']:.2f}, z {t['surprise_z']:+.2f}; within groups p "
+                f"{g['pvalue']:.2f}")
+    names = {"rollart_vllm": "rollart's vLLM engine", "trl_generate": "TRL's generate"}
+    return f"base model, {d['prompts']} prompts: " + "; ".join(
+        f"{names[k]} {side(d[k])}" for k in names if k in d)
+
+
 def _trainer_heap(d: dict) -> str:
     g, r = d["summary"]["glibc_default"], d["summary"]["rollart"]
     return (f"SmolLM2-135M updates in a worker, glibc's heap policy / rollart's: first two "
@@ -428,6 +439,29 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Against TRL, guess game: the same batches give the same update; the engine samples the "
      "policy it trains", "python benchmarks/agentic_update_check.py --steps 8 --seed 10",
      "agentic_update_check.json", _agentic_update_check),
+    ("Against TRL, guess game, matched, each seed's two runs back to back (seeds 24-27 of an "
+     "invocation for 24-33 stopped after seed 27, AMD EPYC host)",
+     "python benchmarks/agentic_vs_trl.py --group-size 4 --constrained "
+     "--seeds 24,25,26,27,28,29,30,31,32,33 --out results/agentic_vs_trl_seeds24-33_amd.json",
+     "agentic_vs_trl_seeds24-33_amd.json", _agentic_vs_trl),
+    ("Against TRL, guess game, held-out gain over twenty-eight seeds (gains only: the runs come "
+     "from several hosts and days)",
+     "python benchmarks/agentic_results.py --out results/agentic_vs_trl_seeds0-27_pooled.json "
+     "results/agentic_vs_trl.json results/agentic_vs_trl_seeds4-5.json "
+     "results/agentic_vs_trl_seeds6-9.json results/agentic_vs_trl_seeds10-19_intel.json "
+     "results/agentic_vs_trl_seeds20-25_intel.json results/agentic_vs_trl_seeds24-33_amd.json",
+     "agentic_vs_trl_seeds0-27_pooled.json", _agentic_gains),
+    ("Against TRL, guess game: both sides' samplers against the base model's exact distribution",
+     "python benchmarks/agentic_sampler_check.py", "agentic_sampler_check.json",
+     _agentic_sampler_check),
+    ("Against TRL, guess game: rollart's sampler against the base model's exact distribution, "
+     "engine seed 2", "python benchmarks/agentic_sampler_check.py --frameworks rollart --seed 2 "
+     "--out results/agentic_sampler_check_rollart_seed2.json",
+     "agentic_sampler_check_rollart_seed2.json", _agentic_sampler_check),
+    ("Against TRL, guess game: rollart's sampler against the base model's exact distribution, "
+     "engine seed 3", "python benchmarks/agentic_sampler_check.py --frameworks rollart --seed 3 "
+     "--out results/agentic_sampler_check_rollart_seed3.json",
+     "agentic_sampler_check_rollart_seed3.json", _agentic_sampler_check),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
