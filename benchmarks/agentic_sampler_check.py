@@ -57,6 +57,7 @@ from benchmarks.agentic_update_check import (  # noqa: E402
     turn_prompts,
 )
 from benchmarks.agentic_vs_trl import PEER_PY  # noqa: E402
+from rollart.types import SamplingParams  # noqa: E402
 
 PEER = ROOT / "benchmarks/peer_trl_sampler.py"
 PVALUE = 0.01
@@ -97,16 +98,15 @@ def same_position_pairs(answers: list[list[int]], call: int) -> list[list[int]]:
     return out
 
 
-def base_prompts(model_dir: str, m: Match, episodes: int, seed: int) -> list[list[int]]:
-    """The turn prompts of `episodes` base-policy episodes, the shared opening first."""
-    from transformers import AutoTokenizer
-
+def base_prompts(model: torch.nn.Module, tok: Any, m: Match, episodes: int,
+                 seed: int) -> list[list[int]]:
+    """The turn prompts of `episodes` episodes of `model` (sampled; it is not changed), the
+    shared opening first."""
     from rollart.engines import HFEngine
     from rollart.models.chat import ChatFormat
     from rollart.rollout.env_manager import run_episodes
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = HFEngine(load_base(model_dir), tok, seed=seed, max_batch_size=m.max_batch_size)
+    engine = HFEngine(model, tok, seed=seed, max_batch_size=m.max_batch_size)
     specs = group_specs(guess_task(m), list(range(seed, seed + episodes)), 1, "prompts")
     trajs = run_episodes(specs, engine.generate, ChatFormat(tok), sampling(m, tok),
                          m.max_context)
@@ -126,9 +126,8 @@ def trl_answers(m: Match, model_dir: str, prompts: list[list[int]], counts: list
 
 
 def judge(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[list[int]]],
-          m: Match, tok: Any, seed: int, group: int) -> dict[str, Any]:
+          m: Match, tok: Any, params: SamplingParams, seed: int, group: int) -> dict[str, Any]:
     """One sampler's calibration (opening, later turns) and independence within groups."""
-    params = sampling(m, tok)["guess"]
     opening = calibration(model, prompts[:1], answers[:1], params, seed)
     later = calibration(model, prompts[1:], answers[1:], params, seed)
     groups = group_collisions(answers[0], group, 2000, seed)
@@ -174,7 +173,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rollart-sampler-check-"))
     t0 = time.perf_counter()
     try:
-        prompts = base_prompts(model_dir, m, a.episodes, a.prompt_seed)
+        model = load_base(model_dir)  # the prompts' episodes, then the exact distribution
+        prompts = base_prompts(model, tok, m, a.episodes, a.prompt_seed)
         counts = [a.first] + [a.samples] * (len(prompts) - 1)
         params = sampling(m, tok)["guess"]
         drawn: dict[str, dict[str, Any]] = {}
@@ -187,8 +187,8 @@ def main() -> None:
             trl = trl_answers(m, model_dir, prompts, counts, a.seed, a.threads, work)
             drawn["trl_generate"] = {"answers": trl["answers"], "sample_s": trl["generate_s"],
                                      "generation_config": trl["generation_config"]}
-        model = load_base(model_dir)
-        sides = {k: {**judge(model, prompts, v.pop("answers"), m, tok, a.seed, a.group), **v}
+        sides = {k: {**judge(model, prompts, v.pop("answers"), m, tok, params, a.seed,
+                             a.group), **v}
                  for k, v in drawn.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
