@@ -37,6 +37,8 @@ log = logging.getLogger("rollart")
 # After a restart, how long a sharded trainer waits for all its workers before it resumes on
 # fewer ranks.
 RANK_WAIT_S = 60.0
+# How often a build pinned to one worker checks that the worker is still there.
+PIN_POLL_S = 1.0
 
 
 def check_classes(client: Client, cfg: RunConfig) -> dict[str, list[str]]:
@@ -231,10 +233,49 @@ class DaskServices:
         return engine.key, engine._address
 
     def env_hosts(self) -> list[Actor]:
-        workers = self.classes[self.roles["env"]]
-        return [self._actor(EnvHostService, workers=[addr],
-                            key=f"env-host-{self.run.run_id}-{self.attempt}-{i}")
-                for i, addr in enumerate(workers)]
+        """One env host per worker of the env class. A worker that leaves before its host is
+        built (the env pool scaled down while the trainer and engines loaded, a worker its
+        nanny restarted under a new address) is skipped; with none left, the class is read
+        again and the hosts go on the workers there now."""
+        hw, hosts, tried = self.roles["env"], list[Actor](), set[str]()
+        deadline = time.monotonic() + self.run.cfg.cluster.call_timeout_s
+        while True:
+            for addr in [a for a in self.classes.get(hw, []) if a not in tried]:
+                tried.add(addr)
+                host = self._built_on(addr, self.client.submit(
+                    EnvHostService, self.run, actor=True, workers=[addr],
+                    key=f"env-host-{self.run.run_id}-{self.attempt}-{len(tried) - 1}"))
+                if host is None:
+                    log.warning("env worker %s left before its env host was built", addr)
+                else:
+                    hosts.append(host)
+            if hosts:
+                return hosts
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no worker of the env class {hw} stayed long enough to "
+                                   f"build an env host within cluster.call_timeout_s "
+                                   f"({self.run.cfg.cluster.call_timeout_s:.0f} s)")
+            time.sleep(0.5)
+            self.classes = worker_classes(self.client)
+
+    def _pinned(self, addr: str, fut: Any) -> Any:
+        """The rollout service's actor on env worker `addr`, which holds an env host (so the
+        env pool's scaling keeps it): only a dead worker fails it, and the error names it."""
+        actor = self._built_on(addr, fut)
+        if actor is None:
+            raise OSError(f"env worker {addr} left before the rollout service was built")
+        return actor
+
+    def _built_on(self, addr: str, fut: Any) -> Any | None:
+        """The actor `fut` builds on worker `addr`, or None if `addr` left first: Dask holds
+        a task pinned to a departed worker forever."""
+        while True:
+            try:
+                return fut.result(timeout=PIN_POLL_S)
+            except TimeoutError:
+                if addr not in self.client.scheduler_info(n_workers=-1)["workers"]:
+                    fut.cancel()
+                    return None
 
     def rollout(self, engines: list[EngineAPI], hosts: list[Any], version: int) -> RolloutAPI:
         """The rollout service as an actor, or with `rollout.shards` n > 1 a ShardedRollout of
@@ -244,20 +285,20 @@ class DaskServices:
         # env host(s); losing that worker ends the run (resume from the last checkpoint).
         refs = [(h.key, self.placed("env_host", call(h).stats())["address"]) for h in hosts]
         engine_refs = [self.engine_ref(e) for e in engines]
-        n, workers = self.run.cfg.rollout.shards, self.classes[self.roles["env"]]
+        # On the hosts' workers, not the class's workers as first read: those may have gone.
+        n, workers = self.run.cfg.rollout.shards, list(dict.fromkeys(a for _, a in refs))
         self.rollouts += 1
         if n == 1:
             again = f"-g{self.rollouts}" if self.rollouts > 1 else ""
             # The actor answers `take_batch` with its coroutine's value: it is a RolloutAPI.
-            return cast(RolloutAPI, self.client.submit(
+            return cast(RolloutAPI, self._pinned(workers[0], self.client.submit(
                 RolloutServiceActor, self.run, engine_refs, refs, version, actor=True,
-                workers=[workers[0]], key=f"rollout-{self.run.run_id}-{self.attempt}{again}",
-            ).result())
-        futures = [self.client.submit(
+                workers=[workers[0]], key=f"rollout-{self.run.run_id}-{self.attempt}{again}")))
+        futures = [(workers[k % len(workers)], self.client.submit(
             RolloutServiceActor, self.run, engine_refs, refs, version, (k, n), actor=True,
             workers=[workers[k % len(workers)]],
-            key=f"rollout-{self.run.run_id}-{self.attempt}-s{k}") for k in range(n)]
-        shards: list[RolloutServiceActor] = [f.result() for f in futures]
+            key=f"rollout-{self.run.run_id}-{self.attempt}-s{k}")) for k in range(n)]
+        shards: list[RolloutServiceActor] = [self._pinned(a, f) for a, f in futures]
         for s in shards:
             self.placed("rollout_shard", call(s).where())
         return ShardedRollout(cast(list[RolloutAPI], shards))  # actor handles, as above

@@ -142,9 +142,13 @@ def test_training_run_on_slurm_workers(slurm, prefect_api, tmp_path):
     store = RunStore(str(tmp_path / "store"), "slurm-itest")
     assert store.latest_checkpoint() == 2
     assert len(store.read_jsonl("metrics.jsonl")) == 2
-    # Every stage ran on the Slurm-started worker of its class (names the manager gave them).
+    # Every stage ran on a Slurm-started worker of its class (names the manager gave them):
+    # the fixed classes' one worker; any of the adaptive env pool's, which may have grown while
+    # the trainer and engines loaded and shrunk again (even past the worker it started with).
     for stage, hw in {"collect": "CPU", "update": "H800", "sync_weights": "H20",
                       "trainer_service": "H800", "engine_service": "H20"}.items():
         for rec in out["placement"][stage]:
-            assert hw in rec["resources"] and rec["worker"] == f"{hw}-0", (stage, rec)
+            name = rec["worker"]
+            assert hw in rec["resources"], (stage, rec)
+            assert name.startswith(f"{hw}-") if hw == "CPU" else name == f"{hw}-0", (stage, rec)
     assert out["fingerprints"]["engine"] == pytest.approx(out["fingerprints"]["trainer"])

@@ -10,6 +10,7 @@ import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker, get_worker
 
 from rollart.config import load_config
+from rollart.handles import call
 from rollart.run import RunSpec
 from rollart.runner import dask_services
 from rollart.runner.dask_services import DaskServices
@@ -40,6 +41,22 @@ class FakeEngine(_Slow):
         super().__init__(f"engine-{replica}")
 
 
+class FakeEnvHost:
+    def __init__(self, run: RunSpec) -> None:
+        self.address = get_worker().address
+
+    def stats(self) -> dict[str, Any]:
+        return {"address": self.address}
+
+
+class FakeRollout:
+    def __init__(self, run: RunSpec, engines: Any, hosts: Any, version: int) -> None:
+        self.address = get_worker().address
+
+    def where(self) -> dict[str, Any]:
+        return {"address": self.address}
+
+
 def _at(name: str, what: str) -> float:
     return next(t for n, w, t in EVENTS if n == name and w == what)
 
@@ -49,6 +66,8 @@ def services(monkeypatch: pytest.MonkeyPatch):
     """`DaskServices` over a cluster with the given workers (name -> resources)."""
     monkeypatch.setattr(dask_services, "TrainerService", FakeTrainer)
     monkeypatch.setattr(dask_services, "EngineService", FakeEngine)
+    monkeypatch.setattr(dask_services, "EnvHostService", FakeEnvHost)
+    monkeypatch.setattr(dask_services, "RolloutServiceActor", FakeRollout)
     EVENTS.clear()
     opened = []
 
@@ -95,6 +114,19 @@ def test_one_worker_of_both_classes_builds_the_trainer_first(services):
     svc.trainer()
     svc.engines()
     assert _at("engine-0", "start") >= _at("trainer", "end")
+
+
+@pytest.mark.timeout(60)  # before the fix this waited forever on the departed worker
+def test_env_hosts_skip_a_worker_that_left_after_the_class_was_read(services):
+    """The env pool scales down while the trainer and engines load: a host pinned to a
+    departed worker would wait forever. It goes on the workers still there, and the rollout
+    service goes with the hosts, not on the class's workers as first read."""
+    svc = services({"gpu": {"H800": 1, "H20": 1}, "cpu-a": {"CPU": 1}, "cpu-b": {"CPU": 1}})
+    first, second = sorted(svc.classes["CPU"])
+    svc.client.retire_workers([first])
+    hosts = svc.env_hosts()
+    assert [call(h).stats()["address"] for h in hosts] == [second]
+    assert call(svc.rollout([], hosts, 0)).where()["address"] == second
 
 
 def call_where(actor: Any) -> str:
