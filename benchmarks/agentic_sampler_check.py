@@ -16,6 +16,10 @@ checks both samplers where every run starts, at the base model:
   bag's logits / T) is uniform when sampling is exact (Kolmogorov-Smirnov), and the tokens'
   mean surprise matches the distribution's entropy (score z), for the opening and for later
   turns apart.
+- **Where a departure lies:** rollart's engine reports the log-probability of each token it
+  drew (bag and temperature applied, as a run's trainer receives it). Its largest gap from the
+  exact one (`reported_logprob_max_gap`) near 0 means the engine drew from the exact
+  distribution, and a calibration departure would lie in the draw itself.
 - **Independence:** the opening's answers taken `--group` at a time, in the order the
   sampler returned them (a GRPO group's first turn, as one generate call holds it): the share
   of equal pairs within those groups against its permutation distribution
@@ -126,10 +130,14 @@ def trl_answers(m: Match, model_dir: str, prompts: list[list[int]], counts: list
 
 
 def judge(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[list[int]]],
-          m: Match, tok: Any, params: SamplingParams, seed: int, group: int) -> dict[str, Any]:
-    """One sampler's calibration (opening, later turns) and independence within groups."""
-    opening = calibration(model, prompts[:1], answers[:1], params, seed)
-    later = calibration(model, prompts[1:], answers[1:], params, seed)
+          m: Match, tok: Any, params: SamplingParams, seed: int, group: int,
+          reported: list[list[list[float]]] | None = None) -> dict[str, Any]:
+    """One sampler's calibration (opening, later turns) and independence within groups;
+    with the log-probs it `reported` for its tokens, their largest gap from the exact ones."""
+    opening = calibration(model, prompts[:1], answers[:1], params, seed,
+                          reported[:1] if reported else None)
+    later = calibration(model, prompts[1:], answers[1:], params, seed,
+                        reported[1:] if reported else None)
     groups = group_collisions(answers[0], group, 2000, seed)
     calls = group_collisions(same_position_pairs(answers[0], m.max_batch_size), 2, 2000, seed)
     first = Counter(tok.decode(a) for a in answers[0]).most_common(10)
@@ -180,15 +188,16 @@ def main() -> None:
         drawn: dict[str, dict[str, Any]] = {}
         if "rollart" in frameworks:
             t = time.perf_counter()
-            ours = engine_answers(model_dir, None, prompts, counts, params, a.seed,
-                                  batch=m.max_batch_size)
-            drawn["rollart_vllm"] = {"answers": ours, "sample_s": time.perf_counter() - t}
+            ours, told = engine_answers(model_dir, None, prompts, counts, params, a.seed,
+                                        batch=m.max_batch_size)
+            drawn["rollart_vllm"] = {"answers": ours, "reported": told,
+                                     "sample_s": time.perf_counter() - t}
         if "trl" in frameworks:
             trl = trl_answers(m, model_dir, prompts, counts, a.seed, a.threads, work)
             drawn["trl_generate"] = {"answers": trl["answers"], "sample_s": trl["generate_s"],
                                      "generation_config": trl["generation_config"]}
         sides = {k: {**judge(model, prompts, v.pop("answers"), m, tok, params, a.seed,
-                             a.group), **v}
+                             a.group, v.pop("reported", None)), **v}
                  for k, v in drawn.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

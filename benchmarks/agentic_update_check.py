@@ -75,6 +75,9 @@ TOLERANCE = {"logprob_mismatch": 1e-3, "checkpoint_rel_diff": 1e-3,
              "gradient_rel_diff": 1e-3, "weights_rel_diff": 1e-3,
              "pvalue": 0.01}
 Weights = dict[str, torch.Tensor]
+# Calibration counts draws of tokens the exact distribution gives less than e^-5 (~0.7 %):
+# where a flatter sampler's excess shows first.
+RARE_LOGP = -5.0
 
 
 def stored_batches(run_dir: Path) -> list[list[Trajectory]]:
@@ -145,19 +148,20 @@ def sampler_calibration(model_dir: str, state: Weights, prompts: list[list[int]]
     from benchmarks.agentic_episodes import sampling
 
     params = sampling(m, AutoTokenizer.from_pretrained(model_dir))["guess"]
-    answers = engine_answers(model_dir, state, prompts, [samples] * len(prompts), params,
-                             seed, batch=64)
+    answers, reported = engine_answers(model_dir, state, prompts, [samples] * len(prompts),
+                                       params, seed, batch=64)
     model = load_base(model_dir)
     model.load_state_dict(state, strict=False)  # the tied head follows the embeddings
-    return calibration(model, prompts, answers, params, seed)
+    return calibration(model, prompts, answers, params, seed, reported)
 
 
 def engine_answers(model_dir: str, state: Weights | None, prompts: list[list[int]],
                    counts: list[int], params: SamplingParams, seed: int,
-                   batch: int) -> list[list[list[int]]]:
+                   batch: int) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
     """rollart's vLLM engine (holding `state`, or the base weights) samples `counts[i]`
     answers to prompt i with `params` (the task's bag, temperature and stop), `batch` requests
-    per generate call: [prompt][sample] -> token ids."""
+    per generate call: ([prompt][sample] -> token ids, the same -> the log-probs the engine
+    reports for them: of the distribution it drew each token from, bag and T applied)."""
     from transformers import AutoTokenizer
 
     from rollart.engines.vllm_engine import VLLMEngine
@@ -177,32 +181,47 @@ def engine_answers(model_dir: str, state: Weights | None, prompts: list[list[int
     finally:
         engine.close()
     out: list[list[list[int]]] = [[] for _ in prompts]
+    lps: list[list[list[float]]] = [[] for _ in prompts]
     for c in comps:
-        out[int(c.request_id.split("/")[0][1:])].append(list(c.token_ids))
-    return out
+        i = int(c.request_id.split("/")[0][1:])
+        out[i].append(list(c.token_ids))
+        lps[i].append(list(c.logprobs))
+    return out, lps
 
 
 def calibration(model: torch.nn.Module, prompts: list[list[int]],
                 answers: list[list[list[int]]], params: SamplingParams,
-                seed: int) -> dict[str, Any]:
+                seed: int, reported: list[list[list[float]]] | None = None) -> dict[str, Any]:
     """How far sampled `answers` [prompt][sample] lie from `model`'s exact distribution under
     the task's bag at its temperature: each sampled token's randomized probability integral
     transform u = P(token' < token) + U * P(token) (softmax of the bag's logits / T, given the
     prompt and the answer so far). Exact sampling makes the u i.i.d. uniform (Rosenblatt),
     whatever the policy: the Kolmogorov-Smirnov distance from uniform and its p-value say how
     far the samples are from the policy's distribution; the surprise score (`surprise_terms`)
-    says whether they are sharper or flatter than it."""
+    says whether they are sharper or flatter than it. With the sampler's `reported` log-probs
+    of its tokens: the largest gap from the exact ones (a departure there lies in the
+    distribution it drew from; none there, in the draw itself)."""
     bag = torch.tensor(sorted(params.allowed_token_ids or []))
     gen = torch.Generator().manual_seed(seed)
     us: list[float] = []
     score, var = 0.0, 0.0
     outside = 0  # sampled tokens outside the bag: 0 if the sampler honours the restriction
-    for prompt, sampled_answers in zip(prompts, answers, strict=True):
-        for p, sampled in zip(answer_probs(model, prompt, sampled_answers, bag,
-                                           params.temperature), sampled_answers, strict=True):
+    gap = 0.0  # max |reported - exact log-prob| of a sampled token
+    rare, rare_expected = 0, 0.0  # draws of tokens with P < e^RARE_LOGP: observed, expected
+    for k, (prompt, sampled_answers) in enumerate(zip(prompts, answers, strict=True)):
+        for j, (p, sampled) in enumerate(zip(
+                answer_probs(model, prompt, sampled_answers, bag, params.temperature),
+                sampled_answers, strict=True)):
             ids = torch.tensor(sampled)
             at = torch.searchsorted(bag, ids).clamp(max=len(bag) - 1)  # [answer tokens]
             outside += int((bag[at] != ids).sum())
+            rare += int((p.gather(1, at[:, None])[:, 0] < math.exp(RARE_LOGP)).sum())
+            rare_expected += float((p * (p < math.exp(RARE_LOGP))).sum())
+            if reported is not None:
+                exact = p.gather(1, at[:, None])[:, 0].log()  # [answer tokens]
+                told = torch.tensor(reported[k][j], dtype=torch.float64)
+                if len(told):  # an empty answer (no room left) has nothing to compare
+                    gap = max(gap, float((told - exact).abs().max()))
             noise = torch.rand(len(sampled), generator=gen, dtype=torch.float64)
             us += pit_values(p, at, noise).tolist()
             s_, v_ = surprise_terms(p, at)
@@ -212,7 +231,10 @@ def calibration(model: torch.nn.Module, prompts: list[list[int]],
     return {"prompts": len(prompts), "samples_per_prompt": max(map(len, answers), default=0),
             "tokens": len(us), "tokens_outside_bag": outside, "ks_distance": ks,
             "ks_pvalue": pvalue, "surprise_z": z,
-            "surprise_pvalue": math.erfc(abs(z) / math.sqrt(2))}
+            "surprise_pvalue": math.erfc(abs(z) / math.sqrt(2)),
+            "rare_draws": {"logp_below": RARE_LOGP, "observed": rare,
+                           "expected": rare_expected},
+            **({"reported_logprob_max_gap": gap} if reported is not None else {})}
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """The statistics of benchmarks/agentic_update_check.py, against hand-computed values: the
 Kolmogorov-Smirnov distance, the randomized probability integral transform (uniform for an
-exact sampler, far from it for a biased one), the turn prompts taken from stored episodes, and
+exact sampler, far from it for a biased one), the rare draws and the gap between a sampler's
+reported and the exact log-probs, the turn prompts taken from stored episodes, and
 the relative weight difference."""
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import agentic_update_check  # noqa: E402
 from benchmarks.agentic_update_check import (  # noqa: E402
+    calibration,
     ks_uniform,
     pit_values,
     rel_diff,
     surprise_terms,
     turn_prompts,
 )
-from rollart.types import Trajectory  # noqa: E402
+from rollart.types import SamplingParams, Trajectory  # noqa: E402
 
 
 def test_ks_distance_by_hand() -> None:
@@ -103,3 +106,22 @@ def test_rel_diff_is_relative_to_the_change() -> None:
     a = {"w": torch.tensor([3.0, 4.5])}  # 0.5 away from b
     assert rel_diff(a, b, base) == pytest.approx(0.1)
     assert rel_diff(a, b) == pytest.approx(0.1)  # |b| is 5 too
+
+
+def test_rare_draws_and_reported_gap_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prompt, two answers over a bag of three tokens (ids 5, 7, 9), the exact rows given."""
+    tiny = math.exp(agentic_update_check.RARE_LOGP) / 2  # below the rare threshold
+    rows = [torch.tensor([[1 - 2 * tiny, tiny, tiny], [0.5, 0.5, 0.0]], dtype=torch.float64),
+            torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)]
+    monkeypatch.setattr(agentic_update_check, "answer_probs", lambda *a: rows)
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, allowed_token_ids=[9, 5, 7])
+    answers = [[[7, 5], [9]]]  # a rare draw (7 at P = tiny), then P 0.5; then P 0.5
+    told = [[[math.log(tiny) + 0.25, math.log(0.5)], [math.log(0.5) - 0.1]]]
+    got = calibration(torch.nn.Identity(), [[1, 2]], answers, params, seed=0, reported=told)
+    # rare: one observed; expected = mass below the threshold over the three rows = 2 * tiny
+    assert got["rare_draws"]["observed"] == 1
+    assert got["rare_draws"]["expected"] == pytest.approx(2 * tiny)
+    assert got["reported_logprob_max_gap"] == pytest.approx(0.25)
+    assert got["tokens"] == 3 and got["tokens_outside_bag"] == 0
+    assert "reported_logprob_max_gap" not in calibration(
+        torch.nn.Identity(), [[1, 2]], answers, params, seed=0)
