@@ -44,9 +44,17 @@ def _agentic_update_check(d: dict) -> str:
 def _agentic_sampler_check(d: dict) -> str:
     def side(v: dict) -> str:
         o, t, g = v["opening"], v["later_turns"], v["within_group"]
-        return (f"opening KS p {o['ks_pvalue']:.2f}, z {o['surprise_z']:+.2f}; later turns KS "
-                f"p {t['ks_pvalue']:.2f}, z {t['surprise_z']:+.2f}; within groups p "
-                f"{g['pvalue']:.2f}")
+        out = (f"opening KS p {o['ks_pvalue']:.2f}, z {o['surprise_z']:+.2f}; later turns KS "
+               f"p {t['ks_pvalue']:.2f}, z {t['surprise_z']:+.2f}; within groups p "
+               f"{g['pvalue']:.2f}, across calls p {v['across_calls']['pvalue']:.2f}")
+        if "rare_draws" in t:
+            r = t["rare_draws"]
+            out += (f"; later-turn draws at P < e^{r['logp_below']:.0f}: {r['observed']} "
+                    f"(expected {r['expected']:.1f})")
+        if "reported_logprob_max_gap" in t:
+            gap = max(o["reported_logprob_max_gap"], t["reported_logprob_max_gap"])
+            out += f"; reported log-probs within {gap:.0e} of exact"
+        return out
     names = {"rollart_vllm": "rollart's vLLM engine", "trl_generate": "TRL's generate"}
     return f"base model, {d['prompts']} prompts: " + "; ".join(
         f"{names[k]} {side(d[k])}" for k in names if k in d)
@@ -194,14 +202,12 @@ AGENTIC_ROWS: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("Against TRL, guess game: both sides' samplers against the base model's exact distribution",
      "python benchmarks/agentic_sampler_check.py", "agentic_sampler_check.json",
      _agentic_sampler_check),
-    ("Against TRL, guess game: rollart's sampler against the base model's exact distribution, "
-     "engine seed 2", "python benchmarks/agentic_sampler_check.py --frameworks rollart --seed 2 "
-     "--out results/agentic_sampler_check_rollart_seed2.json",
-     "agentic_sampler_check_rollart_seed2.json", _agentic_sampler_check),
-    ("Against TRL, guess game: rollart's sampler against the base model's exact distribution, "
-     "engine seed 3", "python benchmarks/agentic_sampler_check.py --frameworks rollart --seed 3 "
-     "--out results/agentic_sampler_check_rollart_seed3.json",
-     "agentic_sampler_check_rollart_seed3.json", _agentic_sampler_check),
+    *[(f"Against TRL, guess game: rollart's sampler against the base model's exact "
+       f"distribution, engine seed {k}",
+       f"python benchmarks/agentic_sampler_check.py --frameworks rollart --seed {k} "
+       f"--out results/agentic_sampler_check_rollart_seed{k}.json",
+       f"agentic_sampler_check_rollart_seed{k}.json", _agentic_sampler_check)
+      for k in range(1, 8)],
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",
