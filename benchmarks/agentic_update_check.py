@@ -215,13 +215,12 @@ def calibration(model: torch.nn.Module, prompts: list[list[int]],
             ids = torch.tensor(sampled)
             at = torch.searchsorted(bag, ids).clamp(max=len(bag) - 1)  # [answer tokens]
             outside += int((bag[at] != ids).sum())
-            rare += int((p.gather(1, at[:, None])[:, 0] < math.exp(RARE_LOGP)).sum())
+            drawn = p.gather(1, at[:, None])[:, 0]  # [answer tokens] exact P(drawn token)
+            rare += int((drawn < math.exp(RARE_LOGP)).sum())
             rare_expected += float((p * (p < math.exp(RARE_LOGP))).sum())
-            if reported is not None:
-                exact = p.gather(1, at[:, None])[:, 0].log()  # [answer tokens]
+            if reported is not None and len(sampled):  # an empty answer: nothing to compare
                 told = torch.tensor(reported[k][j], dtype=torch.float64)
-                if len(told):  # an empty answer (no room left) has nothing to compare
-                    gap = max(gap, float((told - exact).abs().max()))
+                gap = max(gap, float((told - drawn.log()).abs().max()))
             noise = torch.rand(len(sampled), generator=gen, dtype=torch.float64)
             us += pit_values(p, at, noise).tolist()
             s_, v_ = surprise_terms(p, at)
