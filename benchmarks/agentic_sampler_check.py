@@ -31,12 +31,15 @@ checks both samplers where every run starts, at the base model:
 
     make peer && .venv/bin/python benchmarks/agentic_sampler_check.py
         # -> results/agentic_sampler_check.json; --frameworks rollart: rollart's sampler only
+    .venv/bin/python benchmarks/agentic_sampler_check.py --pool results/FILE... --out OUT
+        # the later turns over several engine seeds' files (`pooled`)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -152,6 +155,27 @@ def judge(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[l
             and opening["tokens_outside_bag"] + later["tokens_outside_bag"] == 0}
 
 
+def pooled(docs: list[dict[str, Any]], side: str = "rollart_vllm") -> dict[str, Any]:
+    """One sampler's later turns over independent engine seeds (one results file each): the
+    seeds' surprise z summed over sqrt(seeds) (Stouffer: ~N(0, 1) when every seed samples
+    exactly) and the rare draws summed."""
+    later = [d[side]["later_turns"] for d in docs]
+    z = sum(t["surprise_z"] for t in later) / math.sqrt(len(later))
+    return {"sampler": side, "seeds": len(later), "later_surprise_z": z,
+            "later_surprise_pvalue": math.erfc(abs(z) / math.sqrt(2)),
+            "rare_draws_observed": sum(t["rare_draws"]["observed"] for t in later),
+            "rare_draws_expected": sum(t["rare_draws"]["expected"] for t in later)}
+
+
+def pool_main(files: list[str], out: str) -> None:
+    doc = {"benchmark": "agentic_sampler_check_pooled", "command": [sys.executable, *sys.argv],
+           "files": files, **pooled([json.loads(Path(f).read_text()) for f in files])}
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"agentic_sampler_check pooled over {len(files)} engine seeds: later-turn z "
+          f"{doc['later_surprise_z']:+.2f} (p {doc['later_surprise_pvalue']:.2f}), rare draws "
+          f"{doc['rare_draws_observed']} (expected {doc['rare_draws_expected']:.1f}) -> {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=16, help="base-policy episodes for prompts")
@@ -163,7 +187,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--frameworks", default="rollart,trl", help="rollart, trl or both")
     ap.add_argument("--out", default=str(ROOT / "results/agentic_sampler_check.json"))
+    ap.add_argument("--pool", nargs="+", metavar="FILE",
+                    help="no sampling: pool these results files (one engine seed each) -> --out")
     a = ap.parse_args()
+    if a.pool:
+        return pool_main(a.pool, a.out)
     frameworks = a.frameworks.split(",")
     if not set(frameworks) <= {"rollart", "trl"}:
         sys.exit(f"--frameworks: rollart and/or trl, not {a.frameworks!r}")

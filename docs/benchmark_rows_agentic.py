@@ -208,6 +208,14 @@ AGENTIC_ROWS: list[tuple[str, str, str, Callable[[dict], str]]] = [
        f"--out results/agentic_sampler_check_rollart_seed{k}.json",
        f"agentic_sampler_check_rollart_seed{k}.json", _agentic_sampler_check)
       for k in range(1, 8)],
+    ("Against TRL, guess game: rollart's sampler at later turns over engine seeds 1-7",
+     "python benchmarks/agentic_sampler_check.py --pool "
+     "results/agentic_sampler_check_rollart_seed{1,2,3,4,5,6,7}.json "
+     "--out results/agentic_sampler_check_rollart_seeds1-7_pooled.json",
+     "agentic_sampler_check_rollart_seeds1-7_pooled.json",
+     lambda d: (f"{d['seeds']} engine seeds: surprise z {d['later_surprise_z']:+.2f} (p "
+                f"{d['later_surprise_pvalue']:.2f}); draws at P < e^-5 "
+                f"{d['rare_draws_observed']} (expected {d['rare_draws_expected']:.1f})")),
     ("Agentic base rates (SmolLM2-135M)", "python benchmarks/agentic_base_rate.py",
      "agentic_base_rate.json", _base_rate),
     ("Two agentic tasks in one run", "python benchmarks/agentic_multitask.py",

@@ -59,3 +59,18 @@ def test_same_position_pairs() -> None:
     res = group_collisions(same_position_pairs(repeated, 4), 2, 200, 0)
     assert res["equal_pair_rate"] == 1.0
     assert res["pvalue"] == pytest.approx(1 / 201)
+
+
+def test_pooled_later_turns_by_hand() -> None:
+    """Stouffer's z over two seeds: (1 - 3) / sqrt 2; the rare draws summed."""
+    from benchmarks.agentic_sampler_check import pooled
+
+    def doc(z: float, obs: int, exp: float) -> dict:
+        return {"rollart_vllm": {"later_turns": {
+            "surprise_z": z, "rare_draws": {"observed": obs, "expected": exp}}}}
+
+    got = pooled([doc(1.0, 3, 2.5), doc(-3.0, 7, 4.0)])
+    assert got["seeds"] == 2
+    assert got["later_surprise_z"] == pytest.approx(-2 / 2 ** 0.5)
+    assert got["later_surprise_pvalue"] == pytest.approx(0.1573, abs=1e-4)  # 2 P(Z > 1.414)
+    assert (got["rare_draws_observed"], got["rare_draws_expected"]) == (10, 6.5)
